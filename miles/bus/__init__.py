@@ -1,0 +1,23 @@
+"""Message buses: one contract (`Bus`, `Consumer`), a Kafka and an in-process implementation.
+
+`open_bus(url)` picks by address: `kafka://HOST:PORT` for Kafka, `embedded://` (or nothing) for
+the in-process bus. aiokafka is imported only when a Kafka bus is asked for.
+"""
+
+from miles.bus.base import Bus, Consumer, Delivery, Record, TopicInfo, TopicPartition
+from miles.bus.embedded import EmbeddedBus
+from miles.errors import BusError
+
+__all__ = ["Bus", "Consumer", "Delivery", "EmbeddedBus", "Record", "TopicInfo",
+           "TopicPartition", "open_bus"]
+
+
+def open_bus(url: str | None = None) -> Bus:
+    """A not-yet-started bus for `url`; use `async with open_bus(url) as bus:`."""
+    if url is None or url in ("", "embedded", "embedded://"):
+        return EmbeddedBus()
+    if url.startswith("kafka://"):
+        from miles.bus.kafka import KafkaBus
+
+        return KafkaBus(url)
+    raise BusError(f"bus address must be kafka://HOST:PORT or embedded://, got {url!r}")

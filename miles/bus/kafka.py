@@ -1,0 +1,293 @@
+"""The Kafka bus: the only module that imports aiokafka.
+
+Producer: idempotent, `acks=all`, zstd, a 5 ms linger and 1 MiB batches (the Python client, not
+the broker, limits throughput, so records are batched hard). Consumer: manual commits only,
+earliest reset by default, fetch sizes from `miles.protocol.topics` so no record the topic
+accepts can stall it. Every aiokafka exception is wrapped in `BusError` here.
+
+aiokafka's admin client does not raise per-topic errors from CreateTopics; they are read from the
+response and reported (an existing topic is not an error).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Awaitable, Iterable, Mapping, Sequence
+from typing import Any
+
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
+from aiokafka import TopicPartition as KafkaTopicPartition
+from aiokafka.abc import ConsumerRebalanceListener
+from aiokafka.admin import AIOKafkaAdminClient, NewTopic
+from aiokafka.admin.config_resource import ConfigResource, ConfigResourceType
+from aiokafka.errors import KafkaError
+
+from miles.bus.base import (Bus, Consumer, Delivery, Headers, RebalanceCallback, Record,
+                            TopicInfo, TopicPartition, check_record_size)
+from miles.errors import BusError
+from miles.protocol.topics import (CONSUMER_FETCH_MAX_BYTES, CONSUMER_MAX_PARTITION_FETCH_BYTES,
+                                   PRODUCER_MAX_REQUEST_BYTES, TopicSpec)
+
+COMPRESSION = "zstd"
+LINGER_MS = 5
+MAX_BATCH_BYTES = 1024 * 1024
+REQUEST_TIMEOUT_MS = 40_000
+TOPIC_LOOKUP_TIMEOUT_S = 15.0
+TOPIC_ALREADY_EXISTS = 36
+
+
+def parse_bootstrap(url: str) -> str:
+    """`kafka://host:port[,host:port]` (or a bare `host:port`) -> aiokafka's bootstrap string."""
+    address = url.removeprefix("kafka://").strip("/")
+    if not address or any(":" not in part for part in address.split(",")):
+        raise BusError(f"Kafka address must look like kafka://HOST:PORT, got {url!r}")
+    return address
+
+
+def probe_cluster(bootstrap: str, timeout_s: float = 5.0) -> bool:
+    """True when a broker at `bootstrap` answers a metadata request (blocking; no loop needed)."""
+    async def probe() -> bool:
+        admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap,
+                                    request_timeout_ms=int(timeout_s * 1000))
+        try:
+            await asyncio.wait_for(admin.start(), timeout_s)
+            await asyncio.wait_for(admin.describe_cluster(), timeout_s)
+            return True
+        except (KafkaError, OSError, TimeoutError):
+            return False
+        finally:
+            await admin.close()
+
+    return asyncio.run(probe())
+
+
+@contextlib.contextmanager
+def _wrapped(action: str):
+    try:
+        yield
+    except KafkaError as err:
+        raise BusError(f"{action} failed: {type(err).__name__}: {err}") from err
+
+
+class KafkaBus(Bus):
+    def __init__(self, url: str, *, client_id: str = "miles"):
+        self.url = url if url.startswith("kafka://") else f"kafka://{url}"
+        self.bootstrap = parse_bootstrap(url)
+        self.client_id = client_id
+        self._producer: AIOKafkaProducer | None = None
+        self._admin: AIOKafkaAdminClient | None = None
+        self._known_topics: set[str] = set()
+
+    async def start(self) -> None:
+        self._producer = AIOKafkaProducer(
+            bootstrap_servers=self.bootstrap, client_id=self.client_id,
+            enable_idempotence=True, acks="all", compression_type=COMPRESSION,
+            linger_ms=LINGER_MS, max_batch_size=MAX_BATCH_BYTES,
+            max_request_size=PRODUCER_MAX_REQUEST_BYTES, request_timeout_ms=REQUEST_TIMEOUT_MS)
+        self._admin = AIOKafkaAdminClient(bootstrap_servers=self.bootstrap,
+                                          client_id=f"{self.client_id}-admin",
+                                          request_timeout_ms=REQUEST_TIMEOUT_MS)
+        with _wrapped(f"connecting to Kafka at {self.bootstrap}"):
+            await self._producer.start()
+            await self._admin.start()
+
+    async def close(self) -> None:
+        if self._producer is not None:
+            with _wrapped("closing the producer"):
+                await self._producer.stop()
+            self._producer = None
+        if self._admin is not None:
+            await self._admin.close()
+            self._admin = None
+
+    def _require(self, client: Any) -> Any:
+        if client is None:
+            raise BusError("Kafka bus is not started (or already closed)")
+        return client
+
+    async def create_topics(self, specs: Iterable[TopicSpec]) -> list[str]:
+        specs = list(specs)
+        admin = self._require(self._admin)
+        new_topics = [NewTopic(s.name, s.partitions, 1, topic_configs=dict(s.configs))
+                      for s in specs]
+        with _wrapped("creating topics"):
+            response = await admin.create_topics(new_topics)
+        created, failures = [], []
+        for entry in response.to_object()["topic_errors"]:
+            code = entry["error_code"]
+            if code == 0:
+                created.append(entry["topic"])
+            elif code != TOPIC_ALREADY_EXISTS:
+                failures.append(f"{entry['topic']}: error {code} {entry.get('error_message')}")
+        if failures:
+            raise BusError("creating topics failed: " + "; ".join(failures))
+        return created
+
+    async def describe_topics(self, names: Iterable[str]) -> dict[str, TopicInfo]:
+        names = list(names)
+        admin = self._require(self._admin)
+        with _wrapped("describing topics"):
+            metadata = await admin.describe_topics(names)
+            configs = await admin.describe_configs(
+                [ConfigResource(ConfigResourceType.TOPIC, name) for name in names])
+        missing = [t["topic"] for t in metadata if t["error_code"] != 0]
+        if missing:
+            raise BusError(f"topics do not exist: {', '.join(missing)}")
+        partitions = {t["topic"]: len(t["partitions"]) for t in metadata}
+        result = {}
+        for response in configs:
+            for resource in response.to_object()["resources"]:
+                name = resource["resource_name"]
+                entries = {e["config_names"]: e["config_value"]
+                           for e in resource["config_entries"]}
+                result[name] = TopicInfo(name=name, partitions=partitions[name], configs=entries)
+        return result
+
+    async def send(self, topic: str, value: bytes, *, key: bytes | None = None,
+                   headers: Headers | None = None,
+                   partition: int | None = None) -> Awaitable[Delivery]:
+        producer = self._require(self._producer)
+        check_record_size(topic, value, key, headers)
+        await self._check_topic(producer, topic)
+        with _wrapped(f"publishing to {topic}"):
+            future = await producer.send(topic, value, key=key, partition=partition,
+                                         headers=list(headers) if headers else None)
+        return self._delivery(topic, future)
+
+    async def _check_topic(self, producer: AIOKafkaProducer, topic: str) -> None:
+        if topic in self._known_topics:
+            return
+        try:
+            await asyncio.wait_for(producer.partitions_for(topic), TOPIC_LOOKUP_TIMEOUT_S)
+        except (KafkaError, TimeoutError) as err:
+            raise BusError(f"topic {topic!r} is unknown to the broker at {self.bootstrap}; "
+                           "create it first (`miles topics create`)") from err
+        self._known_topics.add(topic)
+
+    @staticmethod
+    async def _delivery(topic: str, future: asyncio.Future) -> Delivery:
+        with _wrapped(f"publishing to {topic}"):
+            metadata = await future
+        return Delivery(metadata.topic, metadata.partition, metadata.offset)
+
+    async def flush(self) -> None:
+        with _wrapped("flushing"):
+            await self._require(self._producer).flush()
+
+    def consumer(self, topics: Sequence[str], *, group_id: str, from_beginning: bool = True,
+                 on_assigned: RebalanceCallback | None = None,
+                 on_revoked: RebalanceCallback | None = None) -> KafkaConsumer:
+        return KafkaConsumer(self, list(topics), group_id, from_beginning,
+                             on_assigned, on_revoked)
+
+
+class _Listener(ConsumerRebalanceListener):
+    def __init__(self, on_assigned: RebalanceCallback | None,
+                 on_revoked: RebalanceCallback | None):
+        self._on_assigned = on_assigned
+        self._on_revoked = on_revoked
+
+    async def on_partitions_revoked(self, revoked: Iterable[KafkaTopicPartition]) -> None:
+        await self.revoke({TopicPartition(tp.topic, tp.partition) for tp in revoked})
+
+    async def revoke(self, revoked: set[TopicPartition]) -> None:
+        if self._on_revoked is not None and revoked:
+            await self._on_revoked(revoked)
+
+    async def on_partitions_assigned(self, assigned: Iterable[KafkaTopicPartition]) -> None:
+        if self._on_assigned is not None:
+            await self._on_assigned({TopicPartition(tp.topic, tp.partition) for tp in assigned})
+
+
+def _kafka_tp(tp: TopicPartition) -> KafkaTopicPartition:
+    return KafkaTopicPartition(tp.topic, tp.partition)
+
+
+class KafkaConsumer(Consumer):
+    def __init__(self, bus: KafkaBus, topics: list[str], group_id: str, from_beginning: bool,
+                 on_assigned: RebalanceCallback | None, on_revoked: RebalanceCallback | None):
+        self.bus = bus
+        self.topics = topics
+        self.group_id = group_id
+        self._consumer = AIOKafkaConsumer(
+            bootstrap_servers=bus.bootstrap, client_id=bus.client_id, group_id=group_id,
+            enable_auto_commit=False,
+            auto_offset_reset="earliest" if from_beginning else "latest",
+            max_partition_fetch_bytes=CONSUMER_MAX_PARTITION_FETCH_BYTES,
+            fetch_max_bytes=CONSUMER_FETCH_MAX_BYTES, request_timeout_ms=REQUEST_TIMEOUT_MS)
+        self._listener = _Listener(on_assigned, on_revoked)
+
+    async def start(self) -> None:
+        with _wrapped(f"starting consumer {self.group_id}"):
+            self._consumer.subscribe(self.topics, listener=self._listener)
+            await self._consumer.start()
+
+    async def close(self) -> None:
+        """Revoke (aiokafka does not on stop, the embedded bus does), then leave the group."""
+        await self._listener.revoke(self.assignment())
+        with _wrapped(f"closing consumer {self.group_id}"):
+            await self._consumer.stop()
+
+    async def poll(self, max_records: int = 500, timeout_s: float = 1.0) -> list[Record]:
+        with _wrapped("polling"):
+            batches = await self._consumer.getmany(timeout_ms=int(timeout_s * 1000),
+                                                   max_records=max_records)
+        return [Record(topic=r.topic, partition=r.partition, offset=r.offset, key=r.key,
+                       value=r.value, headers=tuple(r.headers), timestamp_ms=r.timestamp)
+                for records in batches.values() for r in records]
+
+    async def commit(self, offsets: Mapping[TopicPartition, int] | None = None) -> None:
+        kafka_offsets = None if offsets is None else {
+            _kafka_tp(tp): offset for tp, offset in offsets.items()}
+        with _wrapped("committing offsets"):
+            await self._consumer.commit(kafka_offsets)
+
+    async def committed(self, tp: TopicPartition) -> int | None:
+        with _wrapped("reading committed offset"):
+            return await self._consumer.committed(_kafka_tp(tp))
+
+    def assignment(self) -> set[TopicPartition]:
+        return {TopicPartition(tp.topic, tp.partition) for tp in self._consumer.assignment()}
+
+    async def position(self, tp: TopicPartition) -> int:
+        with _wrapped("reading position"):
+            return await self._consumer.position(_kafka_tp(tp))
+
+    def seek(self, tp: TopicPartition, offset: int) -> None:
+        if tp not in self.assignment():
+            raise BusError(f"{tp} is not assigned to this consumer")
+        if offset < 0:
+            raise BusError(f"cannot seek {tp} to negative offset {offset}")
+        self._consumer.seek(_kafka_tp(tp), offset)
+
+    async def seek_to_time(self, timestamp_ms: int,
+                           tps: Iterable[TopicPartition] | None = None) -> dict[TopicPartition, int]:
+        tps = list(self.assignment() if tps is None else tps)
+        with _wrapped("looking up offsets by time"):
+            found = await self._consumer.offsets_for_times(
+                {_kafka_tp(tp): timestamp_ms for tp in tps})
+        ends = await self.end_offsets(tps)
+        targets = {}
+        for tp in tps:
+            hit = found.get(_kafka_tp(tp))
+            targets[tp] = hit.offset if hit is not None else ends[tp]
+            self.seek(tp, targets[tp])
+        return targets
+
+    async def end_offsets(self, tps: Iterable[TopicPartition]) -> dict[TopicPartition, int]:
+        with _wrapped("reading end offsets"):
+            ends = await self._consumer.end_offsets([_kafka_tp(tp) for tp in tps])
+        return {TopicPartition(tp.topic, tp.partition): offset for tp, offset in ends.items()}
+
+    async def beginning_offsets(self,
+                                tps: Iterable[TopicPartition]) -> dict[TopicPartition, int]:
+        with _wrapped("reading beginning offsets"):
+            starts = await self._consumer.beginning_offsets([_kafka_tp(tp) for tp in tps])
+        return {TopicPartition(tp.topic, tp.partition): offset for tp, offset in starts.items()}
+
+    def pause(self, *tps: TopicPartition) -> None:
+        self._consumer.pause(*(_kafka_tp(tp) for tp in tps))
+
+    def resume(self, *tps: TopicPartition) -> None:
+        self._consumer.resume(*(_kafka_tp(tp) for tp in tps))

@@ -1,0 +1,34 @@
+"""The one exception hierarchy of Miles.
+
+Third-party exceptions (aiokafka, msgpack, torch, ...) are wrapped at the module boundary that
+imports them, so callers only ever catch `MilesError` subclasses.
+"""
+
+
+class MilesError(Exception):
+    """Base class of every error Miles raises on purpose."""
+
+
+class ConfigError(MilesError):
+    """A configuration value is missing, of the wrong type or out of range."""
+
+
+class CodecError(MilesError):
+    """A wire record could not be encoded or decoded; names the field and the reason."""
+
+    def __init__(self, field: str, reason: str):
+        super().__init__(f"{field}: {reason}")
+        self.field = field
+        self.reason = reason
+
+
+class BusError(MilesError):
+    """A message-bus operation failed (broker unreachable, topic error, closed client, ...)."""
+
+
+class RecordTooLargeError(BusError):
+    """A record is larger than the bus accepts; raised before anything is sent."""
+
+
+class BrokerError(MilesError):
+    """The local Kafka broker could not be assembled, started, stopped or reached."""
