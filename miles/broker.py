@@ -126,8 +126,9 @@ def port_is_open(port: int, host: str = "127.0.0.1") -> bool:
         return sock.connect_ex((host, port)) == 0
 
 
-def _server_properties(data_dir: Path, port: int, controller_port: int) -> str:
-    settings = {
+def server_settings(data_dir: Path, port: int, controller_port: int) -> dict[str, str]:
+    """The broker's `server.properties` (compose/docker-compose.yml mirrors the shared keys)."""
+    return {
         "process.roles": "broker,controller",
         "node.id": "1",
         "controller.quorum.voters": f"1@127.0.0.1:{controller_port}",
@@ -151,7 +152,6 @@ def _server_properties(data_dir: Path, port: int, controller_port: int) -> str:
         "message.max.bytes": str(TOPIC_MAX_MESSAGE_BYTES),
         "replica.fetch.max.bytes": str(TOPIC_MAX_MESSAGE_BYTES),
     }
-    return "".join(f"{key}={value}\n" for key, value in settings.items())
 
 
 def _cluster_id() -> str:
@@ -206,7 +206,8 @@ def start_broker(*, data_dir: Path | None = None, port: int = DEFAULT_PORT,
     libs_dir = ensure_kafka_libs()
     data_dir.mkdir(parents=True, exist_ok=True)
     controller_port = free_port()
-    (data_dir / "server.properties").write_text(_server_properties(data_dir, port, controller_port))
+    settings = server_settings(data_dir, port, controller_port)
+    (data_dir / "server.properties").write_text("".join(f"{k}={v}\n" for k, v in settings.items()))
     (data_dir / "log4j2.properties").write_text(LOG4J2_PROPERTIES)
     _format_storage(libs_dir, data_dir)
     cmd = java_command(libs_dir, "kafka.Kafka", str(data_dir / "server.properties"), heap=heap,

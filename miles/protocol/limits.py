@@ -1,0 +1,53 @@
+"""Named bounds of the wire format: every size, range and dtype a decoder enforces.
+
+One module so the codec, the docs (`docs/wire-format.md`) and other-language clients agree on a
+single list. Bounds are generous sanity guards against garbage and hostile input, not tuning
+knobs; the real size bound of a record is `MAX_RECORD_BYTES` (from `topics`), which the msgpack
+unpacker limits are derived from.
+"""
+
+import numpy as np
+
+from miles.protocol.topics import MAX_RECORD_BYTES
+
+SCHEMA_VERSION = (1, 0)
+"""(major, minor) written into every record. Readers reject another major, accept any minor."""
+
+TOKEN_DTYPE = np.dtype("<i4")
+"""Token ids and per-token policy versions: little-endian int32."""
+
+FLOAT_DTYPE = np.dtype("<f4")
+"""Logprobs and per-token rewards: little-endian float32."""
+
+MAX_TOKENS_PER_SEQUENCE = 1 << 20
+"""Longest prompt or response (tokens) a record may declare."""
+
+MAX_SAMPLES_PER_GROUP = 4096
+"""Most samples in one `TrajectoryGroup`."""
+
+MAX_MAP_ENTRIES = 1024
+"""Most entries in a free-form scalar map (metadata, sampling, timings, extra)."""
+
+MAX_DEAD_LETTER_PAYLOAD_BYTES = 1 << 20
+"""Rejected bytes kept in a `DeadLetter`; longer payloads are truncated (see `payload_size`)."""
+
+MAX_VOCAB_SIZE = (1 << 31) - 1
+"""Largest vocabulary: every token id must fit an int32."""
+
+MAX_POLICY_VERSION = (1 << 31) - 1
+"""Largest policy version: per-token versions travel as int32."""
+
+# Range of every other integer on the wire (counts, offsets, byte sizes, scalar-map values).
+INT64_MIN = -(1 << 63)
+INT64_MAX = (1 << 63) - 1
+
+# msgpack unpacker limits, so a forged length prefix can't make the unpacker allocate more than a
+# record could hold. Each string/bin byte, array element and map entry (key + value) costs at
+# least 1, 1 and 2 bytes of input.
+UNPACK_LIMITS = {
+    "max_str_len": MAX_RECORD_BYTES,
+    "max_bin_len": MAX_RECORD_BYTES,
+    "max_array_len": MAX_RECORD_BYTES,
+    "max_map_len": MAX_RECORD_BYTES // 2,
+    "max_ext_len": 0,  # no ext types (this also rejects msgpack timestamps)
+}

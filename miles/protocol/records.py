@@ -1,0 +1,197 @@
+"""The records that travel on a run's topics, as frozen keyword-only dataclasses.
+
+prompts: `PromptTask`; trajectories: `TrajectoryGroup` (of `Sample`s); control: `WeightVersion`,
+`Command`; status: `Heartbeat`; dlq: `DeadLetter`. The field names here are the wire names
+(`docs/wire-format.md` lists them with their types and bounds).
+
+Simplifications:
+- Records hold data and a few derived values, nothing else. Their checks live in the codec
+  (`miles.protocol.schema`), which runs the same reader on `encode` and on `decode`, so anything a
+  producer can encode a consumer can decode. Constructing a record checks nothing.
+- Arrays are 1-D numpy arrays. Decoded arrays are read-only views over the received bytes
+  (zero-copy); call `.copy()` before writing into one. On encode any dtype of the same kind
+  (e.g. int64 token ids, float64 logprobs) is accepted and cast to the wire dtype.
+- A field with a default is optional on the wire (absent means the default); every other field
+  is required. Timestamps (`created_at`, unix seconds) are always explicit.
+- Records compare by value, arrays element-wise (numpy's `==` would be ambiguous); they are not
+  hashable.
+"""
+
+from dataclasses import dataclass, field, fields
+from functools import cached_property
+from typing import ClassVar, Literal
+
+import numpy as np
+import numpy.typing as npt
+
+from miles.protocol.limits import FLOAT_DTYPE, MAX_DEAD_LETTER_PAYLOAD_BYTES, TOKEN_DTYPE
+
+Scalar = str | int | float | bool
+ScalarMap = dict[str, Scalar]
+IntArray = npt.NDArray[np.int32]
+FloatArray = npt.NDArray[np.float32]
+
+FINISH_REASONS = ("stop", "length", "abort")
+WEIGHT_FORMATS = ("lora", "full")
+COMMANDS = ("pause", "resume", "drain", "stop")
+ALL_TARGETS = "*"
+
+
+def array_field(dtype: np.dtype, **kwargs):
+    """A dataclass field holding a 1-D array that travels with wire dtype `dtype`."""
+    return field(metadata={"dtype": dtype}, **kwargs)
+
+
+def _values_equal(a: object, b: object) -> bool:
+    if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
+        return (isinstance(a, np.ndarray) and isinstance(b, np.ndarray)
+                and a.shape == b.shape and bool(np.array_equal(a, b)))
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(_values_equal(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+class WireRecord:
+    """Base of the wire records: `wire_type` names a top-level record on the wire; equality is
+    by value."""
+
+    wire_type: ClassVar[str]
+    __hash__ = None  # type: ignore[assignment]  # fields hold arrays and dicts
+
+    def __eq__(self, other: object) -> bool:
+        if type(other) is not type(self):
+            return NotImplemented
+        return all(_values_equal(getattr(self, f.name), getattr(other, f.name))
+                   for f in fields(self))  # type: ignore[arg-type]
+
+
+@dataclass(frozen=True, kw_only=True, eq=False)
+class PromptTask(WireRecord):
+    """One prompt to roll out (prompts topic); producers sample a group of responses for it."""
+
+    wire_type: ClassVar[str] = "prompt_task"
+
+    task_id: str
+    prompt: str
+    prompt_token_ids: IntArray | None = array_field(TOKEN_DTYPE, default=None)  # [P]
+    reference: str | None = None  # reference answer for the reward function
+    epoch: int = 0
+    metadata: ScalarMap = field(default_factory=dict)
+    created_at: float
+
+
+@dataclass(frozen=True, kw_only=True, eq=False)
+class Sample(WireRecord):
+    """One sampled response of a group: token-aligned arrays of equal length T >= 1.
+
+    Not a record of its own (no `wire_type`): it only travels inside a `TrajectoryGroup`.
+    """
+
+    response_token_ids: IntArray = array_field(TOKEN_DTYPE)  # [T]
+    logprobs: FloatArray = array_field(FLOAT_DTYPE)  # [T] behaviour logprobs, finite, <= 0
+    versions: IntArray = array_field(TOKEN_DTYPE)  # [T] policy_version that sampled each token
+    reward: float
+    token_rewards: FloatArray | None = array_field(FLOAT_DTYPE, default=None)  # [T]
+    finish_reason: Literal["stop", "length", "abort"]
+    error: str | None = None  # e.g. why the reward function failed (reward is then a fallback)
+
+
+@dataclass(frozen=True, kw_only=True, eq=False)
+class TrajectoryGroup(WireRecord):
+    """All samples of one prompt (trajectories topic), atomic so group baselines are exact."""
+
+    wire_type: ClassVar[str] = "trajectory_group"
+
+    group_id: str
+    task_id: str
+    prompt_token_ids: IntArray = array_field(TOKEN_DTYPE)  # [P]
+    samples: list[Sample]
+    producer_id: str
+    engine: str
+    vocab_size: int  # every token id is in [0, vocab_size)
+    sampling: ScalarMap = field(default_factory=dict)  # temperature, top_p, top_k, max_new_tokens
+    reference: str | None = None
+    timings: dict[str, float] = field(default_factory=dict)  # seconds, e.g. {"generate": 1.2}
+    created_at: float
+
+    @cached_property
+    def min_version(self) -> int:
+        """Oldest policy_version that produced any token of the group."""
+        return min(int(s.versions.min()) for s in self.samples)
+
+    def lag(self, trainer_version: int) -> int:
+        """How many optimizer updates the trainer is ahead of the oldest token in the group."""
+        return trainer_version - self.min_version
+
+
+@dataclass(frozen=True, kw_only=True, eq=False)
+class WeightVersion(WireRecord):
+    """A new policy version the trainer published (control topic); weights go by URI."""
+
+    wire_type: ClassVar[str] = "weight_version"
+
+    policy_version: int
+    step: int
+    uri: str
+    format: Literal["lora", "full"]
+    sha256: str  # 64 lowercase hex digits of the file at `uri`
+    bytes: int
+    base_model: str
+    created_at: float
+
+
+@dataclass(frozen=True, kw_only=True, eq=False)
+class Command(WireRecord):
+    """An operator command to producers (control topic)."""
+
+    wire_type: ClassVar[str] = "command"
+
+    command: Literal["pause", "resume", "drain", "stop"]
+    target: str = ALL_TARGETS  # a producer_id, or "*" for all
+    reason: str = ""
+    created_at: float
+
+
+@dataclass(frozen=True, kw_only=True, eq=False)
+class Heartbeat(WireRecord):
+    """Liveness and throughput of one process (status topic)."""
+
+    wire_type: ClassVar[str] = "heartbeat"
+
+    producer_id: str  # the sender's id, whatever its role
+    role: str  # "producer", "trainer", ...
+    engine: str = ""
+    policy_version: int
+    in_flight: int = 0
+    tokens_per_s: float = 0.0
+    extra: ScalarMap = field(default_factory=dict)
+    created_at: float
+
+
+@dataclass(frozen=True, kw_only=True, eq=False)
+class DeadLetter(WireRecord):
+    """A record a consumer rejected (dlq topic): why, where it came from, and its raw bytes."""
+
+    wire_type: ClassVar[str] = "dead_letter"
+
+    reason: str
+    source_topic: str
+    source_partition: int
+    source_offset: int
+    payload: bytes  # the rejected bytes, truncated to MAX_DEAD_LETTER_PAYLOAD_BYTES
+    payload_size: int  # length of the rejected record before truncation
+    created_at: float
+
+    @classmethod
+    def for_payload(cls, *, reason: str, source_topic: str, source_partition: int,
+                    source_offset: int, payload: bytes, created_at: float) -> "DeadLetter":
+        """A dead letter for `payload`, truncated to the cap so it always fits a record."""
+        kept = bytes(payload[:MAX_DEAD_LETTER_PAYLOAD_BYTES])
+        return cls(reason=reason, source_topic=source_topic, source_partition=source_partition,
+                   source_offset=source_offset, payload=kept, payload_size=len(payload),
+                   created_at=created_at)
+
+
+RECORD_TYPES: tuple[type[WireRecord], ...] = (
+    PromptTask, TrajectoryGroup, WeightVersion, Command, Heartbeat, DeadLetter)
+"""Every top-level record (a `Sample` only travels inside a `TrajectoryGroup`)."""

@@ -1,0 +1,168 @@
+"""What each record looks like on the wire: one reader per record type, and the type registry.
+
+A reader takes a `FieldReader` over a record's map and returns the record, checking every field
+(presence, type, range) and the relations between fields (sibling array lengths, token ids
+against `vocab_size`). The codec runs the same reader on decode and, before packing, on encode,
+so there is exactly one definition of a valid record. Fields a reader does not ask for are
+ignored (forward compatibility within a major schema version).
+"""
+
+import re
+from collections.abc import Callable
+
+from miles.errors import CodecError
+from miles.protocol.arrays import FINITE, LOGPROBS, VERSIONS, token_ids_rule
+from miles.protocol.fields import ArraySpec, FieldReader, preview
+from miles.protocol.limits import (FLOAT_DTYPE, MAX_DEAD_LETTER_PAYLOAD_BYTES,
+                                   MAX_POLICY_VERSION, MAX_SAMPLES_PER_GROUP,
+                                   MAX_TOKENS_PER_SEQUENCE, MAX_VOCAB_SIZE, TOKEN_DTYPE)
+from miles.protocol.records import (ALL_TARGETS, COMMANDS, FINISH_REASONS, WEIGHT_FORMATS, Command,
+                                    DeadLetter, Heartbeat, PromptTask, Sample, TrajectoryGroup,
+                                    WeightVersion, WireRecord)
+
+_SHA256 = re.compile(r"[0-9a-f]{64}")
+TOKENS = ArraySpec(TOKEN_DTYPE, max_len=MAX_TOKENS_PER_SEQUENCE)
+"""Token ids and per-token versions: int32, 1 to MAX_TOKENS_PER_SEQUENCE long."""
+FLOATS = ArraySpec(FLOAT_DTYPE, max_len=MAX_TOKENS_PER_SEQUENCE)
+"""Logprobs and per-token rewards: float32, 1 to MAX_TOKENS_PER_SEQUENCE long."""
+
+
+def _created_at(r: FieldReader) -> float:
+    return r.number("created_at", lo=0.0)
+
+
+def _sha256(r: FieldReader) -> str:
+    digest = r.string("sha256")
+    if not _SHA256.fullmatch(digest):
+        raise CodecError(r.path("sha256"),
+                         f"must be 64 lowercase hex digits, got {preview(digest)}")
+    return digest
+
+
+def read_prompt_task(r: FieldReader) -> PromptTask:
+    ids = r.array("prompt_token_ids", TOKENS, default=None)
+    if ids is not None:
+        token_ids_rule(MAX_VOCAB_SIZE).check(ids, r.path("prompt_token_ids"))
+    return PromptTask(
+        task_id=r.string("task_id", nonempty=True),
+        prompt=r.string("prompt"),
+        prompt_token_ids=ids,
+        reference=r.string("reference", default=None),
+        epoch=r.integer("epoch", lo=0, default=0),
+        metadata=r.scalar_map("metadata"),
+        created_at=_created_at(r),
+    )
+
+
+def read_sample(r: FieldReader) -> Sample:
+    """A sample's fields and array lengths; the array values are checked group-wide."""
+    ids = r.array("response_token_ids", TOKENS)
+    same = ("response_token_ids", len(ids))
+    return Sample(
+        response_token_ids=ids,
+        logprobs=r.array("logprobs", FLOATS, same_length_as=same),
+        versions=r.array("versions", TOKENS, same_length_as=same),
+        reward=r.number("reward"),
+        token_rewards=r.array("token_rewards", FLOATS, same_length_as=same, default=None),
+        finish_reason=r.string("finish_reason", choices=FINISH_REASONS),
+        error=r.string("error", default=None),
+    )
+
+
+def check_sample_values(samples: list[Sample], vocab_size: int) -> None:
+    """The value rules of every sample array, each tested once over the whole group."""
+    def at(name: str, index: list[int] | None = None) -> Callable[[int], str]:
+        return lambda k: f"samples[{k if index is None else index[k]}].{name}"
+
+    token_ids_rule(vocab_size).check_all([s.response_token_ids for s in samples],
+                                         at("response_token_ids"))
+    LOGPROBS.check_all([s.logprobs for s in samples], at("logprobs"))
+    VERSIONS.check_all([s.versions for s in samples], at("versions"))
+    rewarded = [i for i, s in enumerate(samples) if s.token_rewards is not None]
+    if rewarded:
+        FINITE.check_all([samples[i].token_rewards for i in rewarded],
+                         at("token_rewards", rewarded))
+
+
+def read_trajectory_group(r: FieldReader) -> TrajectoryGroup:
+    vocab_size = r.integer("vocab_size", lo=1, hi=MAX_VOCAB_SIZE)
+    prompt_ids = r.array("prompt_token_ids", TOKENS)
+    token_ids_rule(vocab_size).check(prompt_ids, r.path("prompt_token_ids"))
+    samples = [read_sample(s)
+               for s in r.maps("samples", min_len=1, max_len=MAX_SAMPLES_PER_GROUP)]
+    check_sample_values(samples, vocab_size)
+    return TrajectoryGroup(
+        group_id=r.string("group_id", nonempty=True),
+        task_id=r.string("task_id", nonempty=True),
+        prompt_token_ids=prompt_ids,
+        samples=samples,
+        producer_id=r.string("producer_id", nonempty=True),
+        engine=r.string("engine", nonempty=True),
+        vocab_size=vocab_size,
+        sampling=r.scalar_map("sampling"),
+        reference=r.string("reference", default=None),
+        timings=r.float_map("timings"),
+        created_at=_created_at(r),
+    )
+
+
+def read_weight_version(r: FieldReader) -> WeightVersion:
+    return WeightVersion(
+        policy_version=r.integer("policy_version", lo=0, hi=MAX_POLICY_VERSION),
+        step=r.integer("step", lo=0),
+        uri=r.string("uri", nonempty=True),
+        format=r.string("format", choices=WEIGHT_FORMATS),
+        sha256=_sha256(r),
+        bytes=r.integer("bytes", lo=0),
+        base_model=r.string("base_model", nonempty=True),
+        created_at=_created_at(r),
+    )
+
+
+def read_command(r: FieldReader) -> Command:
+    return Command(
+        command=r.string("command", choices=COMMANDS),
+        target=r.string("target", nonempty=True, default=ALL_TARGETS),
+        reason=r.string("reason", default=""),
+        created_at=_created_at(r),
+    )
+
+
+def read_heartbeat(r: FieldReader) -> Heartbeat:
+    return Heartbeat(
+        producer_id=r.string("producer_id", nonempty=True),
+        role=r.string("role", nonempty=True),
+        engine=r.string("engine", default=""),
+        policy_version=r.integer("policy_version", lo=0, hi=MAX_POLICY_VERSION),
+        in_flight=r.integer("in_flight", lo=0, default=0),
+        tokens_per_s=r.number("tokens_per_s", lo=0.0, default=0.0),
+        extra=r.scalar_map("extra"),
+        created_at=_created_at(r),
+    )
+
+
+def read_dead_letter(r: FieldReader) -> DeadLetter:
+    payload = r.blob("payload", max_len=MAX_DEAD_LETTER_PAYLOAD_BYTES)
+    return DeadLetter(
+        reason=r.string("reason", nonempty=True),
+        source_topic=r.string("source_topic"),
+        source_partition=r.integer("source_partition", lo=0),
+        source_offset=r.integer("source_offset", lo=0),
+        payload=payload,
+        payload_size=r.integer("payload_size", lo=len(payload)),
+        created_at=_created_at(r),
+    )
+
+
+READERS: dict[type[WireRecord], Callable[[FieldReader], WireRecord]] = {
+    PromptTask: read_prompt_task,
+    TrajectoryGroup: read_trajectory_group,
+    WeightVersion: read_weight_version,
+    Command: read_command,
+    Heartbeat: read_heartbeat,
+    DeadLetter: read_dead_letter,
+}
+"""The reader of every top-level record type."""
+
+TYPES_BY_NAME: dict[str, type[WireRecord]] = {cls.wire_type: cls for cls in READERS}
+"""Record class of each wire `type` name."""

@@ -1,0 +1,111 @@
+"""Builders of wire records for tests and benchmarks (`from tests.factories import make_group`).
+
+`make_*` build valid records, deterministic for a given seed, arrays already in the wire dtypes;
+override any field with keyword arguments. `wire_map`/`pack_map`/`array_map` build raw msgpack
+the codec never would, to test what a decoder does with bad input.
+"""
+
+import hashlib
+
+import msgpack
+import numpy as np
+
+from miles.protocol import (Command, DeadLetter, Heartbeat, PromptTask, Sample, TrajectoryGroup,
+                            WeightVersion, WireRecord, encode)
+
+CREATED_AT = 1_700_000_000.0
+VOCAB_SIZE = 32_000
+
+
+def make_sample(n_tokens: int = 8, *, vocab_size: int = VOCAB_SIZE, policy_version: int = 3,
+                seed: int = 0, **overrides) -> Sample:
+    """A sample of `n_tokens` tokens, the last quarter generated one policy version later."""
+    rng = np.random.default_rng(seed)
+    versions = np.full(n_tokens, policy_version, dtype=np.int32)
+    versions[n_tokens - n_tokens // 4:] += 1  # the response spans a weight update
+    fields = dict(
+        response_token_ids=rng.integers(0, vocab_size, n_tokens, dtype=np.int32),
+        logprobs=-rng.exponential(1.0, n_tokens).astype(np.float32),
+        versions=versions,
+        reward=float(rng.random()),
+        finish_reason="stop",
+    )
+    return Sample(**(fields | overrides))
+
+
+def make_group(n_samples: int = 4, n_tokens: int = 8, *, prompt_tokens: int = 6,
+               vocab_size: int = VOCAB_SIZE, policy_version: int = 3, seed: int = 0,
+               **overrides) -> TrajectoryGroup:
+    """A group of `n_samples` samples of `n_tokens` tokens each for one prompt."""
+    rng = np.random.default_rng(seed)
+    fields = dict(
+        group_id=f"g-{seed}",
+        task_id=f"t-{seed}",
+        prompt_token_ids=rng.integers(0, vocab_size, prompt_tokens, dtype=np.int32),
+        samples=[make_sample(n_tokens, vocab_size=vocab_size, policy_version=policy_version,
+                             seed=seed * 10_007 + i) for i in range(n_samples)],
+        producer_id="producer-0",
+        engine="hf",
+        vocab_size=vocab_size,
+        sampling={"temperature": 1.0, "top_p": 1.0, "top_k": -1, "max_new_tokens": n_tokens},
+        reference="42",
+        timings={"generate_s": 0.5, "reward_s": 0.01},
+        created_at=CREATED_AT,
+    )
+    return TrajectoryGroup(**(fields | overrides))
+
+
+def make_prompt_task(**overrides) -> PromptTask:
+    fields = dict(task_id="t-0", prompt="What is 6 * 7?",
+                  prompt_token_ids=np.array([5, 6, 7, 8], dtype=np.int32), reference="42",
+                  epoch=1, metadata={"source": "gsm8k", "level": 2, "hard": False, "w": 0.5},
+                  created_at=CREATED_AT)
+    return PromptTask(**(fields | overrides))
+
+
+def make_weight_version(**overrides) -> WeightVersion:
+    fields = dict(policy_version=7, step=7, uri="file:///tmp/run/weights/v7.safetensors",
+                  format="lora", sha256=hashlib.sha256(b"weights").hexdigest(), bytes=1234,
+                  base_model="tiny-llama", created_at=CREATED_AT)
+    return WeightVersion(**(fields | overrides))
+
+
+def make_command(**overrides) -> Command:
+    fields = dict(command="pause", target="*", reason="maintenance", created_at=CREATED_AT)
+    return Command(**(fields | overrides))
+
+
+def make_heartbeat(**overrides) -> Heartbeat:
+    fields = dict(producer_id="producer-0", role="producer", engine="hf", policy_version=3,
+                  in_flight=2, tokens_per_s=1234.5, extra={"gpu": "cpu", "queue": 3},
+                  created_at=CREATED_AT)
+    return Heartbeat(**(fields | overrides))
+
+
+def make_dead_letter(**overrides) -> DeadLetter:
+    fields = dict(reason="samples[0].logprobs: logprob nan at index 0 is not finite",
+                  source_topic="miles.run.trajectories", source_partition=2, source_offset=41,
+                  payload=b"\x82\xa4type", payload_size=6, created_at=CREATED_AT)
+    return DeadLetter(**(fields | overrides))
+
+
+def make_records() -> list[WireRecord]:
+    """One valid record of every top-level type."""
+    return [make_prompt_task(), make_group(), make_weight_version(), make_command(),
+            make_heartbeat(), make_dead_letter()]
+
+
+def wire_map(record: WireRecord) -> dict:
+    """The raw msgpack map of a valid record, to tamper with in tests (bypasses the codec)."""
+    return msgpack.unpackb(encode(record), raw=False)
+
+
+def pack_map(value: object) -> bytes:
+    """msgpack bytes of any value, unchecked: how a buggy or hostile writer would send it."""
+    return msgpack.packb(value, use_bin_type=True)
+
+
+def array_map(values, dtype: str) -> dict:
+    """A wire array map `{dtype, length, data}` of `values` in `dtype` (any dtype, unchecked)."""
+    data = np.asarray(values, dtype=dtype).tobytes()
+    return {"dtype": dtype, "length": len(values), "data": data}
