@@ -32,3 +32,11 @@ class RecordTooLargeError(BusError):
 
 class BrokerError(MilesError):
     """The local Kafka broker could not be assembled, started, stopped or reached."""
+
+
+class WeightsError(MilesError):
+    """A weight version could not be written, fetched, verified or applied."""
+
+
+class EngineError(MilesError):
+    """A rollout engine could not be built, could not generate, or rejected a weight load."""

@@ -1,0 +1,85 @@
+"""Trainer daemon: `torchrun --nproc_per_node N -m consumers.trainer --config trainer.toml`.
+
+Also runs without torchrun (one rank). Rank 0 talks to the bus; the other ranks follow its
+steps. Stops on SIGTERM (after the step in hand, with a final checkpoint) or after
+`loop.max_steps`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from miles.config import load_config, log_config
+from miles.engines.base import LoraSettings
+from miles.service import run_service
+from miles.trainer.learner import LearnerConfig
+from miles.trainer.loop import LoopConfig
+
+log = logging.getLogger("consumers.trainer")
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainerSettings:
+    bus: str = "kafka://127.0.0.1:9092"  # kafka://HOST:PORT (MILES_BUS)
+    model_dir: Path = Path("model")  # Hugging Face model directory (from_pretrained)
+    lora: LoraSettings | None = field(default_factory=LoraSettings)  # None: full fine-tuning
+    torch_threads: int = 0  # 0 leaves torch's default
+    learner: LearnerConfig = field(default_factory=LearnerConfig)
+    loop: LoopConfig = field(default_factory=LoopConfig)
+
+
+def parse_args(argv=None) -> TrainerSettings:
+    parser = argparse.ArgumentParser(prog="consumers.trainer", description=__doc__.splitlines()[0])
+    parser.add_argument("--config", type=Path, default=None, help="TOML or YAML file")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="override one setting, e.g. --set loop.max_staleness=2")
+    args = parser.parse_args(argv)
+    return load_config(TrainerSettings, path=args.config, overrides=args.set)
+
+
+def build_runner(settings: TrainerSettings):
+    import torch
+
+    from miles.trainer.learner import Learner
+    from miles.trainer.loop import StepRunner
+
+    if settings.torch_threads:
+        torch.set_num_threads(settings.torch_threads)
+    learner = Learner(settings.model_dir, settings.learner, lora=settings.lora)
+    return StepRunner(learner, settings.loop)
+
+
+async def run_trainer(settings: TrainerSettings, runner, stop) -> dict:
+    from miles.bus import open_bus
+    from miles.trainer.loop import TrainerLoop
+
+    async with open_bus(settings.bus) as bus:
+        loop = TrainerLoop(bus, runner, base_model=str(settings.model_dir))
+        return await loop.run(stop)
+
+
+def main(argv=None) -> int:
+    from miles.trainer import distributed
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    settings = parse_args(argv)
+    runner = build_runner(settings)
+    try:
+        if distributed.is_main():
+            log_config(settings)
+            summary = run_service(lambda stop: run_trainer(settings, runner, stop))
+            log.info("trainer stopped: %s", json.dumps(summary))
+        else:
+            runner.resume()
+            runner.follow()
+    finally:
+        distributed.destroy()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

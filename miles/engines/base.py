@@ -1,0 +1,118 @@
+"""The rollout engine contract: prompts in, sampled tokens with their behaviour logprobs out.
+
+Every engine (in-process Hugging Face, vLLM) samples from exactly the distribution defined by
+`miles.rl.sampling.process_logits`, and reports for each sampled token its logprob under that
+processed distribution, so the trainer can score the same tokens with the same function.
+
+Simplifications, chosen on purpose:
+- The contract is blocking. Producers call it from a dedicated executor thread, never from the
+  event loop; an engine serialises its own calls, so a weight load never lands mid-generation.
+- Because of that, one `generate` call runs under one weight version, and each `Completion`
+  carries that single `policy_version` (a response never spans an update inside one engine call).
+- Token ids are plain lists in and numpy arrays out: the wire carries numpy arrays, and tensors
+  would tie the contract to torch devices.
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from miles.errors import ConfigError, EngineError
+from miles.rl.sampling import SamplingParams
+
+FINISH_REASONS = ("stop", "length")  # "stop": EOS sampled (and kept); "length": max_new_tokens hit
+DEFAULT_LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+@dataclass(frozen=True, kw_only=True)
+class LoraSettings:
+    """Shape of the LoRA adapter an engine serves; loaded adapters must match it."""
+
+    r: int = 16  # rank of the low-rank update
+    alpha: int = 32  # scaling numerator: the update is scaled by alpha / r
+    dropout: float = 0.0  # dropout on the LoRA input (inactive in an engine, which runs in eval)
+    target_modules: tuple[str, ...] = DEFAULT_LORA_TARGETS  # module names that get an adapter
+
+    def __post_init__(self) -> None:
+        if self.r < 1:
+            raise ConfigError(f"lora.r must be >= 1, got {self.r}")
+        if self.alpha <= 0:
+            raise ConfigError(f"lora.alpha must be > 0, got {self.alpha}")
+        if not 0 <= self.dropout < 1:
+            raise ConfigError(f"lora.dropout must be in [0, 1), got {self.dropout}")
+        if not self.target_modules:
+            raise ConfigError("lora.target_modules must name at least one module")
+
+
+@dataclass(frozen=True, kw_only=True, eq=False)
+class Completion:
+    """One sampled response. If `finish_reason == "stop"`, the last token is the EOS token."""
+
+    token_ids: np.ndarray  # [T] int32
+    logprobs: np.ndarray  # [T] float32, logprob of each token under the processed distribution
+    finish_reason: str  # one of FINISH_REASONS
+    policy_version: int  # weight version that sampled every token of this response
+
+    def __post_init__(self) -> None:
+        if self.token_ids.dtype != np.int32 or self.token_ids.ndim != 1:
+            raise EngineError(f"token_ids must be int32 [T], got {self.token_ids.dtype} "
+                              f"{self.token_ids.shape}")
+        if self.logprobs.dtype != np.float32 or self.logprobs.shape != self.token_ids.shape:
+            raise EngineError(f"logprobs must be float32 {self.token_ids.shape}, got "
+                              f"{self.logprobs.dtype} {self.logprobs.shape}")
+        if self.finish_reason not in FINISH_REASONS:
+            raise EngineError(f"finish_reason must be one of {FINISH_REASONS}, "
+                              f"got {self.finish_reason!r}")
+
+
+class RolloutEngine(abc.ABC):
+    """A policy that samples responses and hot-loads new weight versions.
+
+    `policy_version` is the version of the weights currently loaded; it starts at 0 (the weights
+    the engine was built with) and is set by each successful load.
+    """
+
+    name: str  # engine kind as recorded on the wire, e.g. "hf"
+
+    @property
+    @abc.abstractmethod
+    def vocab_size(self) -> int:
+        """Size of the logits dimension; every sampled token id is below it."""
+
+    @property
+    @abc.abstractmethod
+    def eos_token_id(self) -> int:
+        """The token that ends a response (`finish_reason == "stop"`)."""
+
+    @property
+    @abc.abstractmethod
+    def policy_version(self) -> int:
+        """Version of the weights currently loaded."""
+
+    @abc.abstractmethod
+    def encode(self, text: str) -> list[int]:
+        """Token ids of `text`, without special tokens."""
+
+    @abc.abstractmethod
+    def decode(self, token_ids: list[int] | np.ndarray) -> str:
+        """Text of `token_ids`, special tokens dropped."""
+
+    @abc.abstractmethod
+    def generate(self, prompts: list[list[int]], params: SamplingParams, *,
+                 seed: int | None = None) -> list[list[Completion]]:
+        """`params.n` completions for each prompt, in prompt order. Blocking."""
+
+    @abc.abstractmethod
+    def load_adapter(self, adapter_dir: Path, policy_version: int) -> None:
+        """Apply a peft-saved LoRA adapter (`adapter_model.safetensors` + `adapter_config.json`).
+
+        On any error the current weights and `policy_version` stay as they were. Blocking.
+        """
+
+    def load_full_weights(self, weights: Path, policy_version: int) -> None:
+        """Replace all weights from a model directory or a single `.safetensors` file. Blocking."""
+        raise NotImplementedError(f"engine {self.name!r} cannot load full weights")

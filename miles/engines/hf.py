@@ -1,0 +1,306 @@
+"""The in-process Hugging Face engine: a transformers causal LM sampled by a hand-written loop.
+
+`model.generate` is not used: its logits processors are not `process_logits`, and the
+behaviour logprobs must come from exactly the distribution the trainer scores with. The loop is
+gpt-fast style: one prefill over the left-padded prompts (each prompt once; its KV cache is then
+repeated for its n samples), then one token per step through the cache. Positions are
+`cumsum(attention_mask) - 1`, so each row's real tokens sit at 0, 1, 2, ... exactly as in the
+trainer's right-padded forward.
+
+Simplifications, chosen on purpose:
+- All prompts x n run as one batch, and finished rows keep stepping (their tokens are dropped)
+  until every row is done: no continuous batching, no paged cache. This engine is for CPU runs,
+  tests and small GPUs; throughput at scale is vLLM's job.
+- One EOS id (the tokenizer's) ends a response; extra stop ids of some chat models are ignored.
+- LoRA adapters are hot-loaded into the one adapter built at start-up (`set_peft_model_state_dict`),
+  so a new version costs a tensor copy; an adapter of another shape is rejected, not rebuilt.
+- Full weights load only into an engine without LoRA.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from peft import (LoraConfig, PeftModel, get_peft_model, get_peft_model_state_dict,
+                  set_peft_model_state_dict)
+from safetensors import SafetensorError
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from miles.engines.base import Completion, LoraSettings, RolloutEngine
+from miles.errors import EngineError
+from miles.rl.sampling import SamplingParams, process_logits
+
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+ADAPTER_CONFIG = "adapter_config.json"
+
+
+class HFEngine(RolloutEngine):
+    """A transformers model (optionally with one LoRA adapter) behind the engine contract."""
+
+    name = "hf"
+
+    def __init__(self, model_dir: str | Path, *, device: str | torch.device = "cpu",
+                 dtype: torch.dtype = torch.float32, lora: LoraSettings | None = None):
+        self.device = torch.device(device)
+        self.lora = lora
+        try:
+            self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
+            model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
+        except (OSError, ValueError) as e:
+            raise EngineError(f"cannot load a causal LM and tokenizer from {model_dir}: {e}") from e
+        if lora is not None:
+            model = get_peft_model(model, lora_config(lora))
+        self.model = model.to(self.device).eval()
+        self._eos_token_id = _required_token_id(self.tokenizer, "eos")
+        self._pad_token_id = self.tokenizer.pad_token_id
+        if self._pad_token_id is None:
+            self._pad_token_id = self._eos_token_id  # pad slots are masked; any id will do
+        self._vocab_size = int(self.model.get_output_embeddings().weight.shape[0])
+        self._policy_version = 0
+        self._lock = threading.Lock()  # generate and weight loads never overlap
+        self.tokens_generated = 0  # response tokens returned since start-up
+        self.generate_seconds = 0.0  # wall time spent inside generate
+
+    @property
+    def vocab_size(self) -> int:
+        return self._vocab_size
+
+    @property
+    def eos_token_id(self) -> int:
+        return self._eos_token_id
+
+    @property
+    def policy_version(self) -> int:
+        return self._policy_version
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens_generated / self.generate_seconds if self.generate_seconds else 0.0
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def decode(self, token_ids: list[int] | np.ndarray) -> str:
+        return self.tokenizer.decode(list(map(int, token_ids)), skip_special_tokens=True)
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams, *,
+                 seed: int | None = None) -> list[list[Completion]]:
+        self._check_prompts(prompts)
+        if not prompts:
+            return []
+        with self._lock:
+            start = time.perf_counter()
+            generator = torch.Generator(device=self.device)
+            if seed is None:
+                generator.seed()
+            else:
+                generator.manual_seed(seed)
+            with torch.inference_mode():
+                tokens, logprobs, lengths = sample_rows(
+                    self.model, [list(p) for p in prompts], params, pad_token_id=self._pad_token_id,
+                    eos_token_id=self._eos_token_id, generator=generator)
+            completions = self._completions(tokens, logprobs, lengths)
+            self.tokens_generated += int(lengths.sum())
+            self.generate_seconds += time.perf_counter() - start
+        return [completions[i * params.n:(i + 1) * params.n] for i in range(len(prompts))]
+
+    def load_adapter(self, adapter_dir: Path, policy_version: int) -> None:
+        if self.lora is None:
+            raise EngineError("this engine was built without LoRA; it cannot load an adapter")
+        adapter_dir = Path(adapter_dir)
+        _check_adapter_config(adapter_dir / ADAPTER_CONFIG, self.lora)
+        state = _read_safetensors([adapter_dir / ADAPTER_WEIGHTS], self.device)
+        with self._lock:
+            _check_same_tensors(state, get_peft_model_state_dict(self.model), what="adapter")
+            with torch.no_grad():
+                result = set_peft_model_state_dict(self.model, state)
+            if result.unexpected_keys:  # guarded above; a peft naming change would land here
+                raise EngineError(f"adapter keys not applied: {result.unexpected_keys[:5]}")
+            self._policy_version = policy_version
+
+    def load_full_weights(self, weights: Path, policy_version: int) -> None:
+        if self.lora is not None:
+            raise EngineError("this engine serves a LoRA adapter; load_adapter, not full weights")
+        weights = Path(weights)
+        files = sorted(weights.glob("*.safetensors")) if weights.is_dir() else [weights]
+        if not files:
+            raise EngineError(f"no .safetensors files in {weights}")
+        state = _read_safetensors(files, self.device)
+        with self._lock:
+            _check_full_state(state, self.model)
+            with torch.no_grad():
+                self.model.load_state_dict(state, strict=False)
+            self._policy_version = policy_version
+
+    def _check_prompts(self, prompts: list[list[int]]) -> None:
+        for i, prompt in enumerate(prompts):
+            if len(prompt) == 0:
+                raise EngineError(f"prompt {i} is empty")
+            if min(prompt) < 0 or max(prompt) >= self._vocab_size:
+                raise EngineError(f"prompt {i} has token ids outside [0, {self._vocab_size})")
+
+    def _completions(self, tokens: torch.Tensor, logprobs: torch.Tensor,
+                     lengths: np.ndarray) -> list[Completion]:
+        tokens_np = tokens.cpu().numpy().astype(np.int32)  # [B, S]
+        logprobs_np = logprobs.cpu().numpy().astype(np.float32)  # [B, S]
+        out = []
+        for row, length in enumerate(lengths.tolist()):
+            ids = tokens_np[row, :length]
+            stopped = length > 0 and ids[-1] == self._eos_token_id
+            out.append(Completion(token_ids=ids.copy(), logprobs=logprobs_np[row, :length].copy(),
+                                  finish_reason="stop" if stopped else "length",
+                                  policy_version=self._policy_version))
+        return out
+
+
+def lora_config(lora: LoraSettings) -> LoraConfig:
+    """The peft config of `lora`; adapters trained for this engine should be built with it."""
+    return LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
+                      target_modules=list(lora.target_modules), task_type="CAUSAL_LM")
+
+
+def left_pad(rows: list[list[int]], pad_token_id: int,
+             device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token ids and attention mask of `rows`, padded on the left to the longest row."""
+    width = max(len(row) for row in rows)
+    ids = torch.full((len(rows), width), pad_token_id, dtype=torch.long)  # [B, P]
+    mask = torch.zeros((len(rows), width), dtype=torch.long)  # [B, P]
+    for i, row in enumerate(rows):
+        ids[i, width - len(row):] = torch.tensor(row, dtype=torch.long)
+        mask[i, width - len(row):] = 1
+    return ids.to(device), mask.to(device)
+
+
+def prefill(model: torch.nn.Module, prompts: list[list[int]], n: int, *, pad_token_id: int,
+            cache_name: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, object]:
+    """Run each prompt once and repeat its state n times (B = len(prompts) * n).
+
+    Returns the next-token logits [B, V], attention mask [B, L], last positions [B, 1], KV cache.
+    """
+    input_ids, mask = left_pad(prompts, pad_token_id, next(model.parameters()).device)  # [P, L]
+    positions = (mask.cumsum(dim=-1) - 1).clamp(min=0)  # [P, L]: real tokens at 0, 1, 2, ...
+    out = model(input_ids=input_ids, attention_mask=mask, position_ids=positions, use_cache=True,
+                logits_to_keep=1)
+    cache = getattr(out, cache_name)
+    cache.batch_repeat_interleave(n)
+    logits = out.logits[:, -1].repeat_interleave(n, dim=0)  # [B, V]
+    return (logits, mask.repeat_interleave(n, dim=0),
+            positions[:, -1:].repeat_interleave(n, dim=0), cache)
+
+
+def sample_rows(model: torch.nn.Module, prompts: list[list[int]], params: SamplingParams, *,
+                pad_token_id: int, eos_token_id: int,
+                generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, np.ndarray]:
+    """Sample `params.n` responses per prompt; returns tokens [B, S], logprobs [B, S], lengths [B].
+
+    Rows are prompt-major (B = len(prompts) * n). A row's response is `tokens[row, :length]`; it
+    ends with EOS iff EOS was sampled. Each prompt is prefilled once and its KV cache repeated n
+    times, which computes exactly what n identical rows would.
+    """
+    device, cache_name = next(model.parameters()).device, cache_argument(model)
+    logits, mask, positions, cache = prefill(model, prompts, params.n, pad_token_id=pad_token_id,
+                                             cache_name=cache_name)
+    batch, steps = logits.shape[0], params.max_new_tokens
+    tokens = torch.full((batch, steps), pad_token_id, dtype=torch.long, device=device)  # [B, S]
+    logprobs = torch.zeros((batch, steps), dtype=torch.float32, device=device)  # [B, S]
+    lengths = torch.full((batch,), steps, dtype=torch.long, device=device)  # [B]
+    finished = torch.zeros(batch, dtype=torch.bool, device=device)  # [B]
+    for step in range(steps):
+        next_tokens, next_logprobs = sample_next(logits, params, generator)  # [B], [B]
+        tokens[:, step], logprobs[:, step] = next_tokens, next_logprobs
+        stops = ~finished & (next_tokens == eos_token_id)  # [B]
+        lengths[stops] = step + 1
+        finished |= stops
+        if step == steps - 1 or bool(finished.all()):
+            break
+        mask = torch.cat([mask, mask.new_ones((batch, 1))], dim=-1)  # [B, L + step + 1]
+        positions = positions + 1  # [B, 1]
+        out = model(input_ids=next_tokens[:, None], attention_mask=mask, position_ids=positions,
+                    use_cache=True, logits_to_keep=1, **{cache_name: cache})
+        logits = out.logits[:, -1]  # [B, V]
+    return tokens, logprobs, lengths.cpu().numpy()
+
+
+def cache_argument(model: torch.nn.Module) -> str:
+    """Name of the KV-cache argument and output field: `cache` in recent transformers, else
+    `past_key_values` (deprecated there)."""
+    base = model.get_base_model() if isinstance(model, PeftModel) else model
+    return "cache" if "cache" in inspect.signature(base.forward).parameters else "past_key_values"
+
+
+def sample_next(logits: torch.Tensor, params: SamplingParams,
+                generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """Draw one token per row from the processed distribution of `logits` ([B, V])."""
+    processed = process_logits(logits, temperature=params.temperature, top_k=params.top_k,
+                               top_p=params.top_p)  # [B, V]
+    tokens = torch.multinomial(processed.softmax(dim=-1), 1, generator=generator)  # [B, 1]
+    logprobs = processed.log_softmax(dim=-1).gather(-1, tokens)  # [B, 1]
+    return tokens.squeeze(-1), logprobs.squeeze(-1)
+
+
+def _required_token_id(tokenizer, which: str) -> int:
+    token_id = getattr(tokenizer, f"{which}_token_id")
+    if token_id is None:
+        raise EngineError(f"the tokenizer has no {which} token")
+    return int(token_id)
+
+
+def _check_adapter_config(path: Path, lora: LoraSettings) -> None:
+    """Reject an adapter whose rank, alpha or target modules differ from the engine's."""
+    try:
+        config = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise EngineError(f"cannot read adapter config {path}: {e}") from e
+    got = {"r": config.get("r"), "lora_alpha": config.get("lora_alpha"),
+           "target_modules": sorted(config.get("target_modules") or [])}
+    want = {"r": lora.r, "lora_alpha": lora.alpha, "target_modules": sorted(lora.target_modules)}
+    diffs = [f"{key}: adapter has {got[key]}, engine serves {want[key]}"
+             for key in want if got[key] != want[key]]
+    if diffs:
+        raise EngineError(f"adapter {path.parent} does not match the engine's LoRA settings: "
+                          + "; ".join(diffs))
+
+
+def _read_safetensors(files: list[Path], device: torch.device) -> dict[str, torch.Tensor]:
+    state: dict[str, torch.Tensor] = {}
+    for path in files:
+        try:
+            state.update(load_file(path, device=str(device)))
+        except (OSError, SafetensorError) as e:
+            raise EngineError(f"cannot read weights {path}: {e}") from e
+    return state
+
+
+def _check_same_tensors(state: dict[str, torch.Tensor], expected: dict[str, torch.Tensor], *,
+                        what: str) -> None:
+    """Reject `state` unless it has exactly the keys and shapes of `expected`."""
+    missing, unexpected = expected.keys() - state.keys(), state.keys() - expected.keys()
+    if missing or unexpected:
+        raise EngineError(f"{what} keys differ from the engine's: missing {sorted(missing)[:5]}, "
+                          f"unexpected {sorted(unexpected)[:5]}")
+    wrong = [f"{key}: {tuple(state[key].shape)} != {tuple(expected[key].shape)}"
+             for key in expected if state[key].shape != expected[key].shape]
+    if wrong:
+        raise EngineError(f"{what} shapes differ from the engine's: {wrong[:5]}")
+
+
+def _check_full_state(state: dict[str, torch.Tensor], model: torch.nn.Module) -> None:
+    """Every parameter must be covered (under any of its tied names), nothing unknown given."""
+    expected = model.state_dict()
+    unexpected = state.keys() - expected.keys()
+    if unexpected:
+        raise EngineError(f"unexpected weight keys: {sorted(unexpected)[:5]}")
+    aliases: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        aliases.setdefault(id(param), []).append(name)
+    missing = [names[0] for names in aliases.values() if not any(n in state for n in names)]
+    if missing:
+        raise EngineError(f"missing weight keys: {sorted(missing)[:5]}")
+    _check_same_tensors(state, {key: expected[key] for key in state}, what="weight")

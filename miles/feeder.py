@@ -1,0 +1,39 @@
+"""`miles feed`: publish a dataset's prompts to a run's prompts topic as `PromptTask`s.
+
+Each epoch is shuffled with `seed + epoch`, so a feed is reproducible; the task id is the record
+key, so one task always lands on the same partition.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+
+from miles.bus import Bus
+from miles.protocol import PromptTask, encode
+from miles.protocol.topics import topic_name
+from miles.tasks.arithmetic import Problem
+
+
+def epoch_order(problems: list[Problem], epoch: int, *, shuffle: bool, seed: int) -> list[Problem]:
+    order = list(problems)
+    if shuffle:
+        random.Random(seed + epoch).shuffle(order)
+    return order
+
+
+async def feed(bus: Bus, run: str, problems: list[Problem], *, epochs: int = 1,
+               shuffle: bool = True, seed: int = 0, limit: int | None = None) -> int:
+    """Publish `epochs` passes over `problems` (at most `limit` tasks); returns how many."""
+    topic = topic_name(run, "prompts")
+    pending = []
+    for epoch in range(epochs):
+        for problem in epoch_order(problems, epoch, shuffle=shuffle, seed=seed):
+            if limit is not None and len(pending) >= limit:
+                break
+            task = PromptTask(task_id=problem.task_id, prompt=problem.prompt,
+                              reference=problem.answer, epoch=epoch, created_at=time.time())
+            pending.append(await bus.send(topic, encode(task), key=problem.task_id.encode()))
+    for delivery in pending:
+        await delivery
+    return len(pending)

@@ -1,0 +1,1 @@
+"""RL math: sampling distributions, advantages, losses, off-policy corrections. Pure tensor code."""

@@ -1,0 +1,284 @@
+"""The rollout worker: prompts in, scored trajectory groups out, weights followed on the way.
+
+Three loops share one engine:
+- generation: take a batch of `PromptTask`s (the producers' consumer group shares them), sample
+  `n` responses each in the engine's executor thread, score them, publish one `TrajectoryGroup`
+  per prompt, then commit the prompts. A producer killed before the commit has its prompts
+  re-delivered to another producer (at-least-once generation; each group has a unique id).
+- control: read the control topic from its start, catch up, then load the newest `WeightVersion`
+  after checking its sha256; obey pause/resume/drain/stop `Command`s. A version that fails to
+  load is reported and skipped: the worker keeps generating with the weights it has.
+- status: read trainer heartbeats (its policy version and how many trajectory records it has
+  consumed) and publish this producer's heartbeat.
+
+Admission control: a group generated now with loaded version L is trained roughly when the
+trainer has consumed everything already published, i.e. at version
+`trainer_version + (in_flight + batch - 1) // groups_per_step`. The worker only takes a batch when
+that lag stays within `max_staleness`; otherwise it waits for the trainer or for a newer version.
+The trainer still enforces the bound (several producers can race), this only keeps the waste low.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from miles.bus import Bus, TopicPartition
+from miles.bus.decoding import DecodingConsumer
+from miles.engines.base import Completion, RolloutEngine
+from miles.errors import ConfigError, MilesError
+from miles.protocol import (ALL_TARGETS, Command, Heartbeat, PromptTask, Sample, TrajectoryGroup,
+                            WeightVersion, encode)
+from miles.protocol.topics import topic_name
+from miles.rl.sampling import SamplingParams
+from miles.service import wait_or_stop
+from miles.tasks.rewards import RewardFn
+from miles.weights.store import fetch_version
+
+log = logging.getLogger(__name__)
+ADMISSION_POLL_S = 0.02
+
+
+@dataclass(frozen=True, kw_only=True)
+class RolloutConfig:
+    run: str = "demo"  # topics are miles.<run>.*
+    producer_id: str = "producer-0"
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    prompts_per_batch: int = 32  # prompts generated together in one engine call
+    max_staleness: int = 1  # same bound as the trainer's
+    groups_per_step: int = 32  # the trainer's groups per optimizer step (for admission)
+    heartbeat_s: float = 2.0
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("prompts_per_batch", "groups_per_step"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"rollout.{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_staleness < 0:
+            raise ConfigError(f"rollout.max_staleness must be >= 0, got {self.max_staleness}")
+
+
+@dataclass
+class TrainerView:
+    """What this producer knows of the trainer."""
+
+    policy_version: int = 0  # newest version announced or reported
+    consumed: int = 0  # trajectory records the trainer has consumed (its positions summed)
+
+
+def admitted(*, loaded_version: int, trainer: TrainerView, in_flight: int, batch: int,
+             groups_per_step: int, max_staleness: int) -> bool:
+    """Whether a batch generated now would still be fresh enough when it is trained."""
+    trained_at = trainer.policy_version + (max(in_flight, 0) + batch - 1) // groups_per_step
+    return trained_at - loaded_version <= max_staleness
+
+
+class RolloutWorker:
+    def __init__(self, bus: Bus, engine: RolloutEngine, reward: RewardFn, config: RolloutConfig):
+        self.bus = bus
+        self.engine = engine
+        self.reward = reward
+        self.config = config
+        self.trainer = TrainerView()
+        self.paused = False
+        self.counts: dict[str, float] = {"producer/groups": 0, "producer/tokens": 0,
+                                         "producer/generate_s": 0.0, "producer/other_s": 0.0,
+                                         "producer/weight_loads": 0, "producer/weight_errors": 0}
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
+        self._newest: WeightVersion | None = None
+        self._sequence = 0
+        self._in_flight = 0
+        self._started = time.monotonic()
+
+    def _topic(self, kind: str) -> str:
+        return topic_name(self.config.run, kind)
+
+    async def run(self, stop: asyncio.Event) -> None:
+        drain = asyncio.Event()
+        try:
+            async with asyncio.TaskGroup() as tasks:
+                tasks.create_task(self._control_loop(stop, drain))
+                tasks.create_task(self._status_loop(stop))
+                tasks.create_task(self._heartbeat_loop(stop))
+                await self._generation_loop(stop, drain)
+                stop.set()
+        finally:
+            self._executor.shutdown(wait=True)
+
+    async def _in_engine(self, fn, *args, **kwargs):
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._executor, lambda: fn(*args, **kwargs))
+
+    # -- generation ---------------------------------------------------------------------------
+
+    async def _generation_loop(self, stop: asyncio.Event, drain: asyncio.Event) -> None:
+        consumer = self.bus.consumer([self._topic("prompts")],
+                                     group_id=f"miles.{self.config.run}.producers")
+        async with consumer:
+            prompts = DecodingConsumer(self.bus, consumer, dlq_topic=self._topic("dlq"),
+                                       expected=PromptTask)
+            trajectories = await self._trajectory_partitions()
+            while not stop.is_set() and not drain.is_set():
+                if not await self._admit(stop, consumer, trajectories):
+                    continue
+                batch = await prompts.poll(max_records=self.config.prompts_per_batch,
+                                           timeout_s=0.2)
+                if batch:
+                    await self._roll_out([d.value for d in batch])
+                    await consumer.commit()
+
+    async def _trajectory_partitions(self) -> list[TopicPartition]:
+        topic = self._topic("trajectories")
+        info = (await self.bus.describe_topics([topic]))[topic]
+        return [TopicPartition(topic, p) for p in range(info.partitions)]
+
+    async def _admit(self, stop: asyncio.Event, consumer, partitions) -> bool:
+        if self.paused:
+            await wait_or_stop(stop, ADMISSION_POLL_S * 10)
+            return False
+        published = sum((await consumer.end_offsets(partitions)).values())
+        ok = admitted(loaded_version=self.engine.policy_version, trainer=self.trainer,
+                      in_flight=published - self.trainer.consumed,
+                      batch=self.config.prompts_per_batch,
+                      groups_per_step=self.config.groups_per_step,
+                      max_staleness=self.config.max_staleness)
+        if not ok:
+            await wait_or_stop(stop, ADMISSION_POLL_S)
+        return ok
+
+    async def _roll_out(self, tasks: list[PromptTask]) -> None:
+        began = time.perf_counter()
+        prompts = [self._prompt_ids(t) for t in tasks]
+        self._in_flight = len(tasks)
+        self._sequence += 1
+        completions = await self._in_engine(self.engine.generate, prompts, self.config.sampling,
+                                            seed=self.config.seed * 1_000_003 + self._sequence)
+        generated = time.perf_counter()
+        groups = [self._group(task, prompt, outs, generated - began)
+                  for task, prompt, outs in zip(tasks, prompts, completions)]
+        pending = [await self.bus.send(self._topic("trajectories"), encode(g),
+                                       key=g.task_id.encode()) for g in groups]
+        for delivery in pending:
+            await delivery
+        self._in_flight = 0
+        self.counts["producer/groups"] += len(groups)
+        self.counts["producer/tokens"] += sum(len(s.response_token_ids)
+                                              for g in groups for s in g.samples)
+        self.counts["producer/generate_s"] += generated - began
+        self.counts["producer/other_s"] += time.perf_counter() - generated
+
+    def _prompt_ids(self, task: PromptTask) -> list[int]:
+        if task.prompt_token_ids is not None:
+            return task.prompt_token_ids.tolist()
+        return self.engine.encode(task.prompt)
+
+    def _group(self, task: PromptTask, prompt: list[int], completions: list[Completion],
+               generate_s: float) -> TrajectoryGroup:
+        began = time.perf_counter()
+        samples = [self._sample(task, c) for c in completions]
+        return TrajectoryGroup(
+            group_id=f"{task.task_id}/e{task.epoch}/{self.config.producer_id}/{self._sequence}",
+            task_id=task.task_id, prompt_token_ids=np.asarray(prompt, dtype=np.int32),
+            samples=samples, producer_id=self.config.producer_id, engine=self.engine.name,
+            vocab_size=self.engine.vocab_size, sampling=self.config.sampling.as_wire(),
+            reference=task.reference,
+            timings={"generate_s": generate_s, "reward_s": time.perf_counter() - began},
+            created_at=time.time())
+
+    def _sample(self, task: PromptTask, completion: Completion) -> Sample:
+        ids = completion.token_ids
+        text_ids = ids[:-1] if completion.finish_reason == "stop" else ids
+        error = None
+        try:
+            reward = float(self.reward(self.engine.decode(text_ids), task.reference))
+            if not np.isfinite(reward):
+                raise ValueError(f"reward is not finite: {reward}")
+        except Exception as err:  # noqa: BLE001 - a user reward must never stop the producer
+            reward, error = 0.0, f"reward failed: {type(err).__name__}: {err}"
+        return Sample(response_token_ids=ids, logprobs=completion.logprobs,
+                      versions=np.full(len(ids), completion.policy_version, dtype=np.int32),
+                      reward=reward, finish_reason=completion.finish_reason, error=error)
+
+    # -- control ------------------------------------------------------------------------------
+
+    async def _control_loop(self, stop: asyncio.Event, drain: asyncio.Event) -> None:
+        topic = self._topic("control")
+        consumer = self.bus.consumer([topic], group_id=f"miles.{self.config.run}."
+                                                       f"{self.config.producer_id}.control")
+        async with consumer:
+            control = DecodingConsumer(self.bus, consumer, dlq_topic=self._topic("dlq"),
+                                       expected=(WeightVersion, Command))
+            while not stop.is_set():
+                for item in await control.poll(timeout_s=0.2):
+                    self._on_control(item.value, stop, drain)
+                if self._newest is not None and \
+                        self._newest.policy_version > self.engine.policy_version:
+                    await self._load(self._newest)
+
+    def _on_control(self, value, stop: asyncio.Event, drain: asyncio.Event) -> None:
+        if isinstance(value, WeightVersion):
+            if self._newest is None or value.policy_version > self._newest.policy_version:
+                self._newest = value
+            self.trainer.policy_version = max(self.trainer.policy_version, value.policy_version)
+            return
+        if value.target not in (ALL_TARGETS, self.config.producer_id):
+            return
+        log.info("command %s (%s)", value.command, value.reason)
+        if value.command in ("pause", "resume"):
+            self.paused = value.command == "pause"
+        elif value.command == "drain":
+            drain.set()
+        elif value.command == "stop":
+            stop.set()
+
+    async def _load(self, version: WeightVersion) -> None:
+        try:
+            folder = await self._in_engine(fetch_version, version)
+            await self._in_engine(self.engine.load_adapter, folder, version.policy_version)
+            self.counts["producer/weight_loads"] += 1
+            log.info("loaded policy version %d", version.policy_version)
+        except MilesError as err:
+            self.counts["producer/weight_errors"] += 1
+            log.error("keeping version %d: version %d failed to load: %s",
+                      self.engine.policy_version, version.policy_version, err)
+            await self._heartbeat(error=f"version {version.policy_version}: {err}")
+            self._newest = None  # do not retry the same broken version in a loop
+
+    # -- status -------------------------------------------------------------------------------
+
+    async def _status_loop(self, stop: asyncio.Event) -> None:
+        consumer = self.bus.consumer([self._topic("status")], from_beginning=False,
+                                     group_id=f"miles.{self.config.run}."
+                                              f"{self.config.producer_id}.status")
+        async with consumer:
+            status = DecodingConsumer(self.bus, consumer, dlq_topic=self._topic("dlq"),
+                                      expected=Heartbeat)
+            while not stop.is_set():
+                for item in await status.poll(timeout_s=0.2):
+                    beat = item.value
+                    if beat.role == "trainer":
+                        self.trainer.policy_version = max(self.trainer.policy_version,
+                                                          beat.policy_version)
+                        self.trainer.consumed = int(beat.extra.get("consumed", 0))
+
+    async def _heartbeat_loop(self, stop: asyncio.Event) -> None:
+        while not await wait_or_stop(stop, self.config.heartbeat_s):
+            await self._heartbeat()
+
+    async def _heartbeat(self, error: str | None = None) -> None:
+        elapsed = max(time.monotonic() - self._started, 1e-9)
+        extra = {"groups": int(self.counts["producer/groups"]), "paused": self.paused}
+        if error:
+            extra["error"] = error
+        beat = Heartbeat(producer_id=self.config.producer_id, role="producer",
+                         engine=self.engine.name, policy_version=self.engine.policy_version,
+                         in_flight=self._in_flight,
+                         tokens_per_s=self.counts["producer/tokens"] / elapsed,
+                         extra=extra, created_at=time.time())
+        await self.bus.publish(self._topic("status"), encode(beat),
+                               key=self.config.producer_id.encode())

@@ -1,0 +1,64 @@
+"""Running a long-lived asyncio service: signals, the stop event, the event loop.
+
+The first SIGINT/SIGTERM sets the stop event: loops finish the unit of work in hand (a
+generation batch, a train step), flush and commit, and return. A second signal cancels the main
+task, which still runs its `finally`/`async with` clean-ups. Daemons run on uvloop where it is
+installed (it speeds up the Kafka client's many small callbacks), else on asyncio's own loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+async def run_until_stopped(main: Callable[[asyncio.Event], Awaitable[T]],
+                            stop: asyncio.Event | None = None) -> T:
+    """Run `main(stop)`; SIGINT/SIGTERM set `stop` once, then cancel."""
+    loop = asyncio.get_running_loop()
+    stop = stop or asyncio.Event()
+    task = asyncio.ensure_future(main(stop))
+
+    def on_signal(signum: int) -> None:
+        if not stop.is_set():
+            log.warning("%s: draining (send again to stop at once)", signal.Signals(signum).name)
+            stop.set()
+        else:
+            log.warning("%s again: stopping now", signal.Signals(signum).name)
+            task.cancel()
+
+    handled = (signal.SIGINT, signal.SIGTERM)
+    for signum in handled:
+        loop.add_signal_handler(signum, on_signal, signum)
+    try:
+        return await task
+    finally:
+        for signum in handled:
+            loop.remove_signal_handler(signum)
+
+
+def run_service(main: Callable[[asyncio.Event], Awaitable[T]]) -> T:
+    """Run `main(stop)` to completion on a fresh event loop (uvloop if available)."""
+    try:
+        import uvloop
+
+        loop_factory = uvloop.new_event_loop
+    except ImportError:
+        loop_factory = None
+    with asyncio.Runner(loop_factory=loop_factory) as runner:
+        return runner.run(run_until_stopped(main))
+
+
+async def wait_or_stop(stop: asyncio.Event, seconds: float) -> bool:
+    """Sleep up to `seconds`, waking early on stop; True if stop is set."""
+    try:
+        await asyncio.wait_for(stop.wait(), seconds)
+    except TimeoutError:
+        pass
+    return stop.is_set()

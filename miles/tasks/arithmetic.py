@@ -1,0 +1,36 @@
+"""The built-in task: integer addition such as `37+48=` with an exact-match answer.
+
+Problems are every pair (a, b) with 0 <= a, b <= `max_operand`; a fixed, seeded shuffle puts
+`held_out` of them in the test split and the rest in train, so the two never overlap and every
+process derives the same split. The answer is the decimal sum; a response is right when, cut at
+the end-of-sequence token and stripped of spaces, it equals the answer.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+DEFAULT_MAX_OPERAND = 99
+DEFAULT_HELD_OUT = 1000
+
+
+@dataclass(frozen=True, kw_only=True)
+class Problem:
+    task_id: str
+    prompt: str
+    answer: str
+
+
+def arithmetic_problems(split: str, *, max_operand: int = DEFAULT_MAX_OPERAND,
+                        held_out: int = DEFAULT_HELD_OUT, seed: int = 0) -> list[Problem]:
+    """The `train` or `test` split of the addition task."""
+    if split not in ("train", "test"):
+        raise ValueError(f"split must be 'train' or 'test', got {split!r}")
+    pairs = [(a, b) for a in range(max_operand + 1) for b in range(max_operand + 1)]
+    if not 0 < held_out < len(pairs):
+        raise ValueError(f"held_out must be in (0, {len(pairs)}), got {held_out}")
+    random.Random(seed).shuffle(pairs)
+    chosen = pairs[:held_out] if split == "test" else pairs[held_out:]
+    return [Problem(task_id=f"add-{a}-{b}", prompt=f"{a}+{b}=", answer=str(a + b))
+            for a, b in chosen]

@@ -1,0 +1,58 @@
+"""A tiny Llama- or Qwen2-style causal LM and a character tokenizer, built from configs.
+
+Nothing is downloaded: the tokenizer is assembled with the `tokenizers` library and saved with
+`save_pretrained`, the model is initialised from a config and saved next to it. Everything else
+in Miles loads the result with `AutoTokenizer/AutoModelForCausalLM.from_pretrained(directory)`,
+the same path a real checkpoint takes.
+
+The tokenizer is one token per character over a small alphabet (digits, arithmetic signs, letters,
+punctuation), so arithmetic answers are short and every string of the task has exactly one
+tokenization.
+"""
+
+from __future__ import annotations
+
+import string
+from pathlib import Path
+
+SPECIAL_TOKENS = {"pad": "<pad>", "bos": "<s>", "eos": "</s>", "unk": "<unk>"}
+ALPHABET = string.digits + "+-*/=()., ?:" + string.ascii_letters
+
+
+def build_char_tokenizer():
+    """A `PreTrainedTokenizerFast` with one token per character of `ALPHABET`."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {token: i for i, token in enumerate([*SPECIAL_TOKENS.values(), *ALPHABET])}
+    core = Tokenizer(models.WordLevel(vocab, unk_token=SPECIAL_TOKENS["unk"]))
+    core.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    core.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(
+        tokenizer_object=core, bos_token=SPECIAL_TOKENS["bos"], eos_token=SPECIAL_TOKENS["eos"],
+        pad_token=SPECIAL_TOKENS["pad"], unk_token=SPECIAL_TOKENS["unk"])
+
+
+def build_tiny_model(out_dir: str | Path, *, arch: str = "llama", hidden_size: int = 128,
+                     layers: int = 4, heads: int = 4, kv_heads: int = 2,
+                     max_positions: int = 64, seed: int = 0) -> Path:
+    """Write a freshly initialised tiny causal LM and its tokenizer to `out_dir`."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if arch not in ("llama", "qwen2"):
+        raise ValueError(f"arch must be 'llama' or 'qwen2', got {arch!r}")
+    tokenizer = build_char_tokenizer()
+    config = AutoConfig.for_model(
+        arch, vocab_size=len(tokenizer), hidden_size=hidden_size,
+        intermediate_size=hidden_size * 4, num_hidden_layers=layers,
+        num_attention_heads=heads, num_key_value_heads=kv_heads,
+        max_position_embeddings=max_positions, tie_word_embeddings=True,
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config)
+    out_dir = Path(out_dir)
+    model.save_pretrained(out_dir)
+    tokenizer.save_pretrained(out_dir)
+    return out_dir

@@ -1,0 +1,160 @@
+"""Trajectory groups -> padded micro-batches under a token budget.
+
+A row is one sample: prompt + response, right-padded. Logits at position t predict token t+1,
+so the per-token tensors (`response_mask`, `behaviour_logprobs`) are aligned with the targets
+`input_ids[:, 1:]` and have length L - 1. Advantages are computed per group (GRPO) from the
+recorded rewards before the group's samples are spread over micro-batches.
+
+Simplifications:
+- The budget counts padded tokens (rows x longest row), what activation memory scales with.
+  Rows are sorted by length (longest first) to waste little padding, then packed greedily. A
+  single row longer than the budget gets a micro-batch of its own: the budget is a target, and
+  a long sample is trained rather than dropped.
+- One sampling setting (temperature, top_k, top_p) per micro-batch: rows are split by setting
+  first, so a batch mixing settings gives more, smaller micro-batches, never an error.
+- No sequence packing (several rows concatenated into one with block-diagonal attention).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+import numpy as np
+import torch
+
+from miles.errors import MilesError
+from miles.protocol import Sample, TrajectoryGroup
+from miles.rl.advantages import grpo_advantages
+
+
+@dataclass(frozen=True)
+class SamplingSetting:
+    """The distribution the engine sampled from (`miles.rl.sampling.sampled_logprobs` args)."""
+
+    temperature: float = 1.0
+    top_k: int = 0  # 0 (or any value <= 0 on the wire, e.g. vLLM's -1): no top-k filter
+    top_p: float = 1.0
+
+
+@dataclass(frozen=True)
+class MicroBatch:
+    """One forward/backward worth of rows, all sampled under `sampling`."""
+
+    input_ids: torch.Tensor  # [B, L] int64, prompt + response, right-padded
+    attention_mask: torch.Tensor  # [B, L] int64, 1 on real tokens
+    position_ids: torch.Tensor  # [B, L] int64, 0..len-1 on real tokens, 0 on padding
+    response_mask: torch.Tensor  # [B, L-1] bool: target t (= input_ids[:, t+1]) is a response token
+    behaviour_logprobs: torch.Tensor  # [B, L-1] float32 engine logprobs of the targets, 0 off-mask
+    advantages: torch.Tensor  # [B] float32
+    rewards: torch.Tensor  # [B] float32
+    sampling: SamplingSetting
+    sample_ids: tuple[tuple[str, int], ...]  # [B] (group_id, index in group.samples)
+
+    @property
+    def targets(self) -> torch.Tensor:
+        return self.input_ids[:, 1:]  # [B, L-1]
+
+    @property
+    def num_tokens(self) -> int:
+        """Response tokens of the micro-batch (the loss's token count)."""
+        return int(self.response_mask.sum())
+
+
+@dataclass(frozen=True)
+class _Row:
+    sample_id: tuple[str, int]
+    prompt: np.ndarray  # [P]
+    sample: Sample
+    advantage: float
+
+    @property
+    def length(self) -> int:
+        return len(self.prompt) + len(self.sample.response_token_ids)
+
+
+def sampling_setting(group: TrajectoryGroup) -> SamplingSetting:
+    """The sampling setting recorded with `group`, with the disabled filters normalised."""
+    params = group.sampling
+    temperature = float(params.get("temperature", 1.0))
+    top_p = float(params.get("top_p", 1.0))
+    if not temperature > 0 or not 0 < top_p <= 1:
+        raise MilesError(f"group {group.group_id}: cannot score tokens sampled with "
+                         f"temperature={temperature}, top_p={top_p}")
+    return SamplingSetting(temperature=temperature, top_k=max(int(params.get("top_k", 0)), 0),
+                           top_p=top_p)
+
+
+def group_rows(group: TrajectoryGroup, *, scale_by_std: bool = True) -> list[_Row]:
+    """One row per sample of `group`, with its GRPO advantage."""
+    rewards = torch.tensor([[s.reward for s in group.samples]], dtype=torch.float32)  # [1, n]
+    advantages = grpo_advantages(rewards, scale_by_std=scale_by_std)[0]  # [n]
+    return [_Row((group.group_id, i), group.prompt_token_ids, sample, float(advantages[i]))
+            for i, sample in enumerate(group.samples)]
+
+
+def pack_rows(rows: list[_Row], max_tokens: int) -> list[list[_Row]]:
+    """Greedy packing of `rows` (longest first) into lists whose rows x longest <= max_tokens."""
+    packs: list[list[_Row]] = []
+    current: list[_Row] = []
+    for row in sorted(rows, key=lambda r: r.length, reverse=True):
+        longest = current[0].length if current else row.length
+        if current and (len(current) + 1) * longest > max_tokens:
+            packs.append(current)
+            current = []
+        current.append(row)
+    if current:
+        packs.append(current)
+    return packs
+
+
+def collate(rows: list[_Row], sampling: SamplingSetting, *, pad_id: int) -> MicroBatch:
+    """Right-padded tensors of `rows`."""
+    width = max(r.length for r in rows)
+    input_ids = torch.full((len(rows), width), pad_id, dtype=torch.int64)  # [B, L]
+    attention_mask = torch.zeros((len(rows), width), dtype=torch.int64)  # [B, L]
+    position_ids = torch.zeros((len(rows), width), dtype=torch.int64)  # [B, L]
+    response_mask = torch.zeros((len(rows), width - 1), dtype=torch.bool)  # [B, L-1]
+    behaviour = torch.zeros((len(rows), width - 1), dtype=torch.float32)  # [B, L-1]
+    for b, row in enumerate(rows):
+        p, n = len(row.prompt), row.length
+        input_ids[b, :p] = torch.from_numpy(row.prompt.astype(np.int64))
+        input_ids[b, p:n] = torch.from_numpy(row.sample.response_token_ids.astype(np.int64))
+        attention_mask[b, :n] = 1
+        position_ids[b, :n] = torch.arange(n)
+        response_mask[b, p - 1:n - 1] = True  # targets p..n-1 are predicted at p-1..n-2
+        behaviour[b, p - 1:n - 1] = torch.from_numpy(row.sample.logprobs.astype(np.float32))
+    return MicroBatch(
+        input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+        response_mask=response_mask, behaviour_logprobs=behaviour,
+        advantages=torch.tensor([r.advantage for r in rows], dtype=torch.float32),
+        rewards=torch.tensor([r.sample.reward for r in rows], dtype=torch.float32),
+        sampling=sampling, sample_ids=tuple(r.sample_id for r in rows))
+
+
+def make_micro_batches(groups: list[TrajectoryGroup], *, max_tokens: int, pad_id: int = 0,
+                       scale_by_std: bool = True) -> list[MicroBatch]:
+    """Micro-batches holding every sample of `groups` exactly once."""
+    if max_tokens < 1:
+        raise MilesError(f"max_tokens must be >= 1, got {max_tokens}")
+    for group in groups:
+        if len(group.prompt_token_ids) < 1:
+            raise MilesError(f"group {group.group_id}: empty prompt (nothing predicts the "
+                             "first response token)")
+    by_setting: dict[SamplingSetting, list[TrajectoryGroup]] = {}
+    for group in groups:
+        by_setting.setdefault(sampling_setting(group), []).append(group)
+    batches = []
+    for setting, same in by_setting.items():
+        rows = [row for g in same for row in group_rows(g, scale_by_std=scale_by_std)]
+        batches += [collate(pack, setting, pad_id=pad_id) for pack in pack_rows(rows, max_tokens)]
+    return batches
+
+
+def idle_micro_batch(*, pad_id: int = 0) -> MicroBatch:
+    """A micro-batch with no response token: a rank with less data runs it so every rank does
+    the same number of forward/backward passes (FSDP collectives must match)."""
+    return MicroBatch(
+        input_ids=torch.full((1, 2), pad_id, dtype=torch.int64),
+        attention_mask=torch.ones((1, 2), dtype=torch.int64),  # all real: no fully masked row
+        position_ids=torch.arange(2).unsqueeze(0), response_mask=torch.zeros((1, 1), dtype=bool),
+        behaviour_logprobs=torch.zeros((1, 1)), advantages=torch.zeros(1), rewards=torch.zeros(1),
+        sampling=SamplingSetting(), sample_ids=())

@@ -1,0 +1,96 @@
+"""The policy model: load a Hugging Face causal LM (+ a LoRA adapter via peft), shard it with
+FSDP2, and export the adapter in peft's own format for the engines to hot-load.
+
+This is the trainer's only importer of `transformers` and `peft`. `LoraSettings` and the peft
+config built from it are the engines' (`miles.engines`), so trainer and engines agree on the
+adapter's shape.
+
+Simplifications:
+- The model is materialised in full on every rank and then sharded (`fully_shard` keeps each
+  rank's shard); meta-device initialisation for models that do not fit one host comes later.
+- fp32 parameters and compute, no FSDP mixed-precision policy yet.
+- One adapter named "default"; the reference policy (adapters disabled) is not used yet.
+- Decoder blocks are found at `<causal lm>.model.layers` (Llama, Qwen2, Mistral, Gemma, ...);
+  other layouts raise `ConfigError`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.fsdp import fully_shard
+
+from miles.engines.base import LoraSettings  # shared with the engines: one adapter shape
+from miles.errors import ConfigError, MilesError
+from miles.trainer import distributed
+
+ADAPTER_NAME = "default"
+
+
+def load_policy(model_dir: str | Path, *, lora: LoraSettings | None,
+                dtype: torch.dtype = torch.float32) -> tuple[nn.Module, object]:
+    """(model, tokenizer) from `model_dir`; with `lora`, a peft model whose only trainable
+    parameters are the adapter's. The adapter init draws from torch's global RNG: seed it first
+    (identically on every rank)."""
+    from peft import get_peft_model
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from miles.engines.hf import lora_config  # the engines build their adapter the same way
+
+    try:
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
+        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"trainer.model_dir {str(model_dir)!r} could not be loaded: {exc}"
+                          ) from exc
+    model.config.use_cache = False
+    if lora is not None:
+        model = get_peft_model(model, lora_config(lora), adapter_name=ADAPTER_NAME)
+    return model, tokenizer
+
+
+def decoder_layers(model: nn.Module) -> nn.ModuleList:
+    """The decoder blocks of a causal LM, through a peft wrapper if there is one."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    layers = getattr(getattr(base, "model", None), "layers", None)
+    if not isinstance(layers, nn.ModuleList):
+        raise ConfigError(f"{type(base).__name__} has no decoder blocks at .model.layers; "
+                          "FSDP2 sharding does not know this architecture")
+    return layers
+
+
+def apply_fsdp(model: nn.Module, mesh=None) -> nn.Module:
+    """Shard `model` with FSDP2: one `fully_shard` unit per decoder block, then the root
+    (embeddings, final norm, head). `mesh` None: all ranks of the default group."""
+    for layer in decoder_layers(model):
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+def trainable_names(model: nn.Module) -> set[str]:
+    """Fully qualified names of the parameters the optimizer updates."""
+    return {name for name, param in model.named_parameters() if param.requires_grad}
+
+
+def export_adapter(model: nn.Module, out_dir: str | Path) -> Path | None:
+    """Write the LoRA adapter as peft does (`adapter_model.safetensors`, `adapter_config.json`).
+
+    A collective: every rank must call it; the full (unsharded) adapter is gathered to CPU and
+    rank 0 writes it. Returns `out_dir` on rank 0, None elsewhere.
+    """
+    if not hasattr(model, "peft_config"):
+        raise MilesError("export_adapter needs a LoRA (peft) model; this one is fully trained")
+    names = trainable_names(model)
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=True)
+    full = get_model_state_dict(model, options=options)  # collective: all-gathers the shards
+    if not distributed.is_main():
+        return None
+    adapter = {name: tensor for name, tensor in full.items() if name in names}
+    out_dir = Path(out_dir)
+    model.save_pretrained(out_dir, state_dict=adapter, save_embedding_layers=False,
+                          selected_adapters=[ADAPTER_NAME])
+    return out_dir

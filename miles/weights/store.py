@@ -1,0 +1,76 @@
+"""A weight store on a file system that the trainer and every producer can read.
+
+Layout: `<store>/v<policy_version:08d>/` holds one version, written by the trainer into a
+temporary folder and renamed into place in one step, so a reader never sees half a version. For
+LoRA the folder is peft's adapter format (`adapter_model.safetensors` + `adapter_config.json`); the
+announced URI names the safetensors file, and its sha256 and size travel in the `WeightVersion`.
+
+Only `file://` URIs for now: a shared file system (NFS, a mounted bucket) serves a cluster; an
+object-store scheme is a new `fetch` branch, not a new record.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import shutil
+import time
+from collections.abc import Callable
+from pathlib import Path
+from urllib.parse import unquote, urlparse
+
+from miles.errors import WeightsError
+from miles.protocol import WeightVersion
+
+WEIGHTS_FILE = "adapter_model.safetensors"
+HASH_CHUNK_BYTES = 4 * 1024 * 1024
+
+
+def file_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(HASH_CHUNK_BYTES):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def version_dir(store: Path, policy_version: int) -> Path:
+    return Path(store) / f"v{policy_version:08d}"
+
+
+def write_version(store: Path, *, policy_version: int, step: int, base_model: str,
+                  write: Callable[[Path], None], fmt: str = "lora") -> WeightVersion:
+    """Run `write(folder)` into a fresh folder, move it into place, describe it as a record."""
+    final = version_dir(store, policy_version)
+    staging = final.with_name(final.name + ".tmp")
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
+    write(staging)
+    weights = staging / WEIGHTS_FILE
+    if not weights.is_file():
+        raise WeightsError(f"writing version {policy_version} produced no {WEIGHTS_FILE}")
+    shutil.rmtree(final, ignore_errors=True)
+    staging.rename(final)
+    path = final / WEIGHTS_FILE
+    return WeightVersion(policy_version=policy_version, step=step, uri=path.resolve().as_uri(),
+                         format=fmt, sha256=file_sha256(path), bytes=path.stat().st_size,
+                         base_model=base_model, created_at=time.time())
+
+
+def fetch_version(version: WeightVersion) -> Path:
+    """The local folder of `version`, after checking the file's presence, size and sha256."""
+    parsed = urlparse(version.uri)
+    if parsed.scheme != "file":
+        raise WeightsError(f"version {version.policy_version}: only file:// URIs are supported, "
+                           f"got {version.uri!r}")
+    path = Path(unquote(parsed.path))
+    if not path.is_file():
+        raise WeightsError(f"version {version.policy_version}: {path} does not exist")
+    size = path.stat().st_size
+    if size != version.bytes:
+        raise WeightsError(f"version {version.policy_version}: {path} has {size} bytes, "
+                           f"announced {version.bytes} (truncated or replaced?)")
+    digest = file_sha256(path)
+    if digest != version.sha256:
+        raise WeightsError(f"version {version.policy_version}: sha256 of {path} is {digest}, "
+                           f"announced {version.sha256}")
+    return path.parent

@@ -1,0 +1,60 @@
+"""One train step + adapter export on fixed synthetic groups, for the FSDP rank-count test.
+
+Run under `torchrun --nproc_per_node N` (N ranks) or plain `python` (one self-initialised rank):
+    fsdp_worker.py MODEL_DIR OUT_DIR
+The groups reach ranks > 0 through `broadcast_bytes` (wire encoding). Rank 0 writes
+OUT_DIR/metrics.json and OUT_DIR/adapter/ (peft format).
+"""
+
+import json
+import sys
+from pathlib import Path
+
+from miles.protocol import decode, encode
+from miles.trainer import distributed
+from miles.trainer.learner import Learner, LearnerConfig
+from miles.trainer.model import LoraSettings
+from tests.factories import make_group, make_sample
+
+
+def fixed_groups() -> list:
+    """Five groups of ragged lengths: two ranks get 3 and 2 groups, and different numbers of
+    micro-batches, so the idle micro-batch path runs too."""
+    groups = []
+    for g in range(5):
+        lengths = [2 + (g * 5 + i * 3) % 7 for i in range(4)]
+        samples = [make_sample(n, vocab_size=78, seed=g * 10 + i) for i, n in enumerate(lengths)]
+        groups.append(make_group(prompt_tokens=3 + g % 3, vocab_size=78, seed=g, samples=samples))
+    return groups
+
+
+def shipped_groups() -> list:
+    """The groups as the trainer daemon ships them: built on rank 0 only, broadcast as wire
+    bytes, decoded on every rank."""
+    groups = fixed_groups() if distributed.is_main() else [None] * len(fixed_groups())
+    received = [decode(distributed.broadcast_bytes(encode(g) if g else None)) for g in groups]
+    if received != fixed_groups():
+        raise SystemExit(f"rank {distributed.rank()}: broadcast groups differ")
+    if distributed.broadcast_bytes(b"" if distributed.is_main() else None) != b"":
+        raise SystemExit(f"rank {distributed.rank()}: empty broadcast is not empty")
+    return received
+
+
+def main(model_dir: str, out_dir: str) -> None:
+    config = LearnerConfig(lr=1e-3, max_tokens_per_micro_batch=40, seed=0)
+    learner = Learner(model_dir, config, lora=LoraSettings(r=4, alpha=8))
+    try:
+        metrics = learner.train_step(shipped_groups())
+        learner.export_adapter(Path(out_dir) / "adapter")
+        if distributed.is_main():
+            report = {"world_size": distributed.world_size(),
+                      "micro_batches": len(learner.micro_batches(fixed_groups())), **metrics}
+            (Path(out_dir) / "metrics.json").write_text(json.dumps(report, indent=2))
+        else:
+            learner.micro_batches(fixed_groups())  # a collective: match rank 0's call
+    finally:
+        distributed.destroy()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])

@@ -1,0 +1,22 @@
+"""Producer admission control keeps generated groups within the staleness bound."""
+
+import pytest
+
+from miles.rollout import TrainerView, admitted
+
+
+@pytest.mark.parametrize("loaded, trainer_version, in_flight, batch, per_step, bound, expected", [
+    (0, 0, 0, 8, 8, 0, True),     # on-policy: one step's worth at the trainer's version
+    (0, 0, 8, 8, 8, 0, False),    # a second step's worth would be trained at version 1
+    (0, 1, 0, 8, 8, 0, False),    # the trainer moved on: load version 1 first
+    (1, 1, 0, 8, 8, 0, True),
+    (0, 0, 8, 8, 8, 1, True),     # one version of slack admits one step ahead
+    (0, 0, 16, 8, 8, 1, False),
+    (3, 3, 0, 32, 8, 2, False),   # a batch of four steps' worth reaches lag 3 at its end
+    (3, 3, 0, 24, 8, 2, True),
+    (2, 0, -5, 8, 8, 0, True),    # negative in-flight (stale heartbeat) counts as zero
+])
+def test_admission(loaded, trainer_version, in_flight, batch, per_step, bound, expected):
+    trainer = TrainerView(policy_version=trainer_version)
+    assert admitted(loaded_version=loaded, trainer=trainer, in_flight=in_flight, batch=batch,
+                    groups_per_step=per_step, max_staleness=bound) is expected

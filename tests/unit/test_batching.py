@@ -1,0 +1,99 @@
+"""Groups -> micro-batches: budget, padding, masks, positions, alignment, advantages."""
+
+import numpy as np
+import pytest
+import torch
+from torch.testing import assert_close
+
+from miles.errors import MilesError
+from miles.rl.advantages import grpo_advantages
+from miles.trainer.batching import SamplingSetting, idle_micro_batch, make_micro_batches
+from tests.factories import make_group, make_sample
+
+PAD = 0
+
+
+def ragged_group(seed: int, lengths: list[int], prompt_tokens: int = 3, **overrides):
+    samples = [make_sample(n, vocab_size=50, seed=seed * 100 + i, reward=float(i))
+               for i, n in enumerate(lengths)]
+    return make_group(prompt_tokens=prompt_tokens, vocab_size=50, seed=seed, samples=samples,
+                      **overrides)
+
+
+def test_every_sample_exactly_once_and_budget_respected():
+    groups = [ragged_group(s, [1 + (s * 7 + i) % 9 for i in range(5)], prompt_tokens=2 + s % 4)
+              for s in range(6)]
+    batches = make_micro_batches(groups, max_tokens=40, pad_id=PAD)
+    ids = [sid for b in batches for sid in b.sample_ids]
+    assert sorted(ids) == sorted((g.group_id, i) for g in groups for i in range(5))
+    assert len(batches) > 1
+    for b in batches:
+        rows, width = b.input_ids.shape
+        assert rows * width <= 40
+        assert len(b.sample_ids) == rows
+    total = sum(len(s.response_token_ids) for g in groups for s in g.samples)
+    assert sum(b.num_tokens for b in batches) == total
+
+
+def test_right_padding_masks_positions_and_alignment():
+    prompt = np.array([7, 8, 9], dtype=np.int32)
+    long = make_sample(3, seed=1, reward=1.0, response_token_ids=np.array([11, 12, 13], np.int32),
+                       logprobs=np.array([-0.1, -0.2, -0.3], np.float32))
+    short = make_sample(1, seed=2, reward=0.0, response_token_ids=np.array([21], np.int32),
+                        logprobs=np.array([-0.5], np.float32))
+    group = make_group(prompt_token_ids=prompt, samples=[short, long], vocab_size=50)
+    (b,) = make_micro_batches([group], max_tokens=100, pad_id=PAD)
+    assert b.sample_ids == ((group.group_id, 1), (group.group_id, 0))  # longest first
+    assert b.input_ids.tolist() == [[7, 8, 9, 11, 12, 13], [7, 8, 9, 21, PAD, PAD]]
+    assert b.attention_mask.tolist() == [[1, 1, 1, 1, 1, 1], [1, 1, 1, 1, 0, 0]]
+    assert b.position_ids.tolist() == [[0, 1, 2, 3, 4, 5], [0, 1, 2, 3, 0, 0]]
+    # targets = input_ids[:, 1:]; response targets start at index P - 1 = 2
+    assert b.targets.tolist() == [[8, 9, 11, 12, 13], [8, 9, 21, PAD, PAD]]
+    assert b.response_mask.tolist() == [[False, False, True, True, True],
+                                        [False, False, True, False, False]]
+    assert_close(b.behaviour_logprobs, torch.tensor([[0, 0, -0.1, -0.2, -0.3],
+                                                     [0, 0, -0.5, 0, 0]]))
+    assert_close(b.rewards, torch.tensor([1.0, 0.0]))
+    assert_close(b.advantages, torch.tensor([0.5, -0.5]) / (0.5 + 1e-6))  # rewards 1, 0
+
+
+def test_advantages_are_per_group_even_when_split_across_micro_batches():
+    groups = [ragged_group(s, [4, 4, 4, 4]) for s in range(3)]
+    batches = make_micro_batches(groups, max_tokens=14, pad_id=PAD)  # 7 tokens/row: 2 rows each
+    assert len(batches) == 6
+    got = {sid: float(a) for b in batches for sid, a in zip(b.sample_ids, b.advantages)}
+    for g in groups:
+        rewards = torch.tensor([[s.reward for s in g.samples]])
+        expected = grpo_advantages(rewards)[0]
+        assert_close(torch.tensor([got[(g.group_id, i)] for i in range(4)]), expected)
+
+
+def test_sampling_settings_are_never_mixed_in_a_micro_batch():
+    hot = {"temperature": 0.7, "top_p": 0.9, "top_k": -1}
+    groups = [ragged_group(0, [3, 3]), ragged_group(1, [3, 3], sampling=hot),
+              ragged_group(2, [3, 3])]
+    batches = make_micro_batches(groups, max_tokens=1000, pad_id=PAD)
+    assert len(batches) == 2
+    assert batches[0].sampling == SamplingSetting(temperature=1.0, top_k=0, top_p=1.0)
+    assert {g for g, _ in batches[0].sample_ids} == {"g-0", "g-2"}
+    assert batches[1].sampling == SamplingSetting(temperature=0.7, top_k=0, top_p=0.9)
+    assert {g for g, _ in batches[1].sample_ids} == {"g-1"}
+
+
+def test_a_row_longer_than_the_budget_gets_its_own_micro_batch():
+    batches = make_micro_batches([ragged_group(0, [20, 2, 2])], max_tokens=10, pad_id=PAD)
+    assert [b.input_ids.shape for b in batches] == [(1, 23), (2, 5)]
+
+
+def test_bad_inputs_raise():
+    with pytest.raises(MilesError, match="temperature"):
+        make_micro_batches([ragged_group(0, [2], sampling={"temperature": 0.0})], max_tokens=10)
+    with pytest.raises(MilesError, match="max_tokens"):
+        make_micro_batches([ragged_group(0, [2])], max_tokens=0)
+    assert make_micro_batches([], max_tokens=10) == []
+
+
+def test_idle_micro_batch_has_no_response_tokens():
+    idle = idle_micro_batch(pad_id=PAD)
+    assert idle.num_tokens == 0 and idle.sample_ids == ()
+    assert idle.attention_mask.all()  # no fully masked row, so no nan in attention

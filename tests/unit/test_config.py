@@ -1,0 +1,79 @@
+"""Config loading: file, environment and --set layers, type conversion, clear errors."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+import pytest
+
+from miles.config import field_paths, load_config
+from miles.errors import ConfigError
+
+
+@dataclass(frozen=True, kw_only=True)
+class Inner:
+    lr: float = 1e-4
+    targets: tuple[str, ...] = ("q", "v")
+
+    def __post_init__(self):
+        if self.lr <= 0:
+            raise ConfigError(f"inner.lr must be > 0, got {self.lr}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Root:
+    bus: str | None = None
+    steps: int = 10
+    algo: Literal["grpo", "ppo"] = "grpo"
+    verbose: bool = False
+    inner: Inner = field(default_factory=Inner)
+    lora: Inner | None = None
+
+
+def test_defaults():
+    assert load_config(Root, env={}) == Root()
+
+
+def test_layers_in_order(tmp_path):
+    path = tmp_path / "c.toml"
+    path.write_text('steps = 5\nbus = "kafka://x:1"\n[inner]\nlr = 3\n')
+    env = {"MILES_STEPS": "7", "MILES_INNER__TARGETS": "a,b,c", "MILES_KAFKA_LIBS": "/ignored"}
+    config = load_config(Root, path=path, env=env, overrides=["inner.lr=0.5", "verbose=yes"])
+    assert config.steps == 7
+    assert config.bus == "kafka://x:1"
+    assert config.inner == Inner(lr=0.5, targets=("a", "b", "c"))
+    assert config.verbose is True
+
+
+def test_yaml_and_optional_section(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("algo: ppo\nlora:\n  lr: 0.1\n")
+    config = load_config(Root, path=path, env={})
+    assert config.algo == "ppo" and config.lora == Inner(lr=0.1)
+    assert load_config(Root, path=path, env={}, overrides=["lora=none"]).lora is None
+
+
+@pytest.mark.parametrize("override, message", [
+    ("stepz=1", "unknown config key stepz"),
+    ("inner.lrr=1", "unknown config key inner.lrr"),
+    ("steps=many", "steps must be int"),
+    ("algo=sac", "algo must be one of"),
+    ("inner.lr=-1", "inner.lr must be > 0"),
+    ("verbose=maybe", "verbose must be bool"),
+    ("noequals", "key=value"),
+])
+def test_errors_name_the_field(override, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(Root, env={}, overrides=[override])
+
+
+def test_file_values_are_not_coerced_from_wrong_types(tmp_path):
+    path = tmp_path / "c.toml"
+    path.write_text('steps = "ten"\n')
+    with pytest.raises(ConfigError, match="steps must be int"):
+        load_config(Root, path=path, env={})
+
+
+def test_field_paths_lists_nested_keys():
+    assert {"steps", "inner.lr", "inner.targets", "lora.lr"} <= set(field_paths(Root))

@@ -1,0 +1,51 @@
+"""The weight store: atomic versions described by URI, size and sha256, verified on fetch."""
+
+import hashlib
+from dataclasses import replace
+
+import pytest
+
+from miles.errors import WeightsError
+from miles.weights.store import WEIGHTS_FILE, fetch_version, version_dir, write_version
+
+
+def write_fake_adapter(folder):
+    (folder / WEIGHTS_FILE).write_bytes(b"weights-" * 100)
+    (folder / "adapter_config.json").write_text("{}")
+
+
+def test_write_then_fetch_round_trip(tmp_path):
+    record = write_version(tmp_path, policy_version=3, step=3, base_model="tiny",
+                           write=write_fake_adapter)
+    folder = version_dir(tmp_path, 3)
+    assert record.uri == (folder / WEIGHTS_FILE).resolve().as_uri()
+    assert record.sha256 == hashlib.sha256(b"weights-" * 100).hexdigest()
+    assert record.bytes == 800 and record.format == "lora" and record.policy_version == 3
+    assert fetch_version(record) == folder
+    assert not list(tmp_path.glob("*.tmp"))
+
+
+def test_a_writer_that_forgets_the_weights_fails(tmp_path):
+    with pytest.raises(WeightsError, match="produced no"):
+        write_version(tmp_path, policy_version=1, step=1, base_model="m", write=lambda d: None)
+    assert not version_dir(tmp_path, 1).exists()
+
+
+@pytest.mark.parametrize("damage, message", [
+    (lambda path, record: path.write_bytes(b"weights-" * 99), "bytes, announced"),
+    (lambda path, record: path.write_bytes(b"Weights-" * 100), "sha256"),
+    (lambda path, record: path.unlink(), "does not exist"),
+])
+def test_fetch_rejects_damaged_files(tmp_path, damage, message):
+    record = write_version(tmp_path, policy_version=2, step=2, base_model="m",
+                           write=write_fake_adapter)
+    damage(version_dir(tmp_path, 2) / WEIGHTS_FILE, record)
+    with pytest.raises(WeightsError, match=message):
+        fetch_version(record)
+
+
+def test_fetch_rejects_other_schemes(tmp_path):
+    record = write_version(tmp_path, policy_version=0, step=0, base_model="m",
+                           write=write_fake_adapter)
+    with pytest.raises(WeightsError, match="only file://"):
+        fetch_version(replace(record, uri="s3://bucket/x.safetensors"))
