@@ -50,7 +50,7 @@ def build_runner(settings: TrainerSettings):
     if settings.torch_threads:
         torch.set_num_threads(settings.torch_threads)
     learner = Learner(settings.model_dir, settings.learner, lora=settings.lora)
-    return StepRunner(learner, settings.loop)
+    return StepRunner(learner, settings.loop, base_model=str(settings.model_dir))
 
 
 async def run_trainer(settings: TrainerSettings, runner, stop) -> dict:
@@ -58,7 +58,7 @@ async def run_trainer(settings: TrainerSettings, runner, stop) -> dict:
     from miles.trainer.loop import TrainerLoop
 
     async with open_bus(settings.bus) as bus:
-        loop = TrainerLoop(bus, runner, base_model=str(settings.model_dir))
+        loop = TrainerLoop(bus, runner)
         return await loop.run(stop)
 
 
@@ -74,8 +74,8 @@ def main(argv=None) -> int:
             summary = run_service(lambda stop: run_trainer(settings, runner, stop))
             log.info("trainer stopped: %s", json.dumps(summary))
         else:
-            runner.resume()
             runner.follow()
+        distributed.barrier()  # gloo aborts if a rank tears down while another still talks
     finally:
         distributed.destroy()
     return 0

@@ -106,16 +106,97 @@ async def _smoke(args: argparse.Namespace) -> int:
     return 0 if report["ok"] else 1
 
 
+def _add_rl_commands(sub: argparse._SubParsersAction) -> None:
+    sft = sub.add_parser("sft", help="build the tiny model and its supervised warm start")
+    sft.add_argument("--out", type=Path, required=True, help="directory to save the model to")
+    sft.add_argument("--model", type=Path, default=None,
+                     help="start from this model directory (default: a fresh tiny model)")
+    sft.add_argument("--prompts", default="arithmetic", help="'arithmetic' or a JSONL file")
+    sft.add_argument("--steps", type=int, default=None)
+
+    feed = sub.add_parser("feed", help="publish a dataset's prompts to a run's prompts topic")
+    feed.add_argument("--bus", required=True, help="kafka://HOST:PORT")
+    feed.add_argument("--run", required=True)
+    feed.add_argument("--prompts", default="arithmetic", help="'arithmetic' or a JSONL file")
+    feed.add_argument("--split", default="train")
+    feed.add_argument("--epochs", type=int, default=1)
+    feed.add_argument("--seed", type=int, default=0)
+    feed.add_argument("--no-shuffle", action="store_true")
+    feed.add_argument("--limit", type=int, default=None)
+
+    for name, text in (("produce", "run a rollout producer (python -m producers.rollout)"),
+                       ("train", "run the trainer (torchrun -m consumers.trainer)")):
+        daemon = sub.add_parser(name, help=text, add_help=False)
+        daemon.add_argument("rest", nargs=argparse.REMAINDER)
+
+    demo = sub.add_parser("demo", help="the whole RL loop on one machine, with a report")
+    demo.add_argument("--bus", default="embedded://", help="embedded:// or kafka://HOST:PORT")
+    demo.add_argument("--out", type=Path, default=Path("runs/demo"))
+    demo.add_argument("--max-staleness", type=int, default=None)
+    demo.add_argument("--algo", default=None)
+    demo.add_argument("--model-dir", type=Path, default=None,
+                      help="start from this checkpoint instead of the built-in warm start")
+    demo.add_argument("--prompts", default=None, help="JSONL of {prompt, answer} (default: "
+                                                      "the built-in arithmetic task)")
+    demo.add_argument("--reward", default=None)
+    demo.add_argument("--rl-seconds", type=float, default=None)
+    demo.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+
+
+def _sft(args: argparse.Namespace) -> int:
+    from miles.sft import SFTConfig, supervised_warm_start
+    from miles.tasks.datasets import load_problems
+    from miles.tasks.tiny_model import build_tiny_model
+
+    config = SFTConfig() if args.steps is None else SFTConfig(steps=args.steps)
+    base = args.model or build_tiny_model(args.out.with_name(args.out.name + "-base"))
+    supervised_warm_start(base, args.out, load_problems(args.prompts, "train"), config)
+    print(args.out)
+    return 0
+
+
+async def _feed(args: argparse.Namespace) -> int:
+    from miles.bus import open_bus
+    from miles.feeder import feed
+    from miles.tasks.datasets import load_problems
+
+    async with open_bus(args.bus) as bus:
+        count = await feed(bus, args.run, load_problems(args.prompts, args.split),
+                           epochs=args.epochs, shuffle=not args.no_shuffle, seed=args.seed,
+                           limit=args.limit)
+    print(f"published {count} prompts to miles.{args.run}.prompts")
+    return 0
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from miles.config import load_config
+    from miles.demo import DemoConfig, main_demo
+
+    flags = {"bus": args.bus, "out_dir": args.out, "max_staleness": args.max_staleness,
+             "algo": args.algo, "model_dir": args.model_dir, "prompts": args.prompts,
+             "reward": args.reward, "rl_seconds": args.rl_seconds}
+    overrides = [f"{k}={v}" for k, v in flags.items() if v is not None] + args.set
+    return main_demo(load_config(DemoConfig, overrides=overrides))
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="miles", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     _add_broker_commands(sub)
     _add_topic_commands(sub)
     _add_smoke_command(sub)
+    _add_rl_commands(sub)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv and argv[0] in ("produce", "train"):  # the daemons parse their own flags
+        if argv[0] == "produce":
+            from producers.rollout import main as produce
+            return produce(argv[1:])
+        from consumers.trainer import main as train
+        return train(argv[1:])
     args = build_parser().parse_args(argv)
     try:
         if args.command == "broker":
@@ -124,6 +205,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             return asyncio.run(_topics(args))
         if args.command == "smoke":
             return asyncio.run(_smoke(args))
+        if args.command == "sft":
+            return _sft(args)
+        if args.command == "feed":
+            return asyncio.run(_feed(args))
+        if args.command == "demo":
+            return _demo(args)
     except MilesError as err:
         print(f"miles {args.command}: error: {err}", file=sys.stderr)
         return 2

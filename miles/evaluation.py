@@ -1,16 +1,32 @@
-"""Held-out evaluation: greedy accuracy of an engine's current weights on a list of problems.
+"""Held-out evaluation: greedy accuracy of announced weight versions on a list of problems.
 
-Greedy decoding is `top_k=1` sampling (the argmax token), through the same engine the producers
+Greedy decoding is `top_k=1` sampling (the argmax token) through the same engine the producers
 use, so evaluation sees exactly the weights and the tokenisation that generated the training data.
+The `Evaluator` is one more consumer of the run's topics, in its own consumer groups: it follows
+the control topic, loads each newer version (sha256-verified) at most every `every_s` seconds,
+measures it, and keeps the curve; from the status topic it keeps the producers' generation time.
 """
 
 from __future__ import annotations
 
-from miles.engines.base import RolloutEngine
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from miles.bus import Bus
+from miles.bus.decoding import DecodingConsumer
+from miles.engines.base import LoraSettings, RolloutEngine
+from miles.protocol import Heartbeat, WeightVersion
+from miles.protocol.topics import topic_name
 from miles.rl.sampling import SamplingParams
+from miles.service import wait_or_stop
 from miles.tasks.arithmetic import Problem
 from miles.tasks.rewards import RewardFn, exact_match
+from miles.weights.store import fetch_version
 
+log = logging.getLogger(__name__)
 EVAL_BATCH = 256
 
 
@@ -27,3 +43,93 @@ def greedy_accuracy(engine: RolloutEngine, problems: list[Problem], *,
             text = engine.decode(ids[:-1] if completion.finish_reason == "stop" else ids)
             correct += reward(text, problem.answer) > 0
     return correct / max(len(problems), 1)
+
+
+@dataclass
+class Curve:
+    """Held-out accuracy over wall-clock, and the time spent measuring it."""
+
+    points: list[dict] = field(default_factory=list)
+    eval_seconds: float = 0.0
+
+
+class Evaluator:
+    def __init__(self, bus: Bus, run: str, model_dir: Path, lora: LoraSettings | None,
+                 problems: list[Problem], *, every_s: float, reward: RewardFn = exact_match):
+        from miles.engines.hf import HFEngine
+
+        self.bus, self.run, self.problems, self.every_s = bus, run, problems, every_s
+        self.reward = reward
+        self.engine = HFEngine(model_dir, lora=lora)
+        self.curve = Curve()
+        self.announced = -1  # newest version seen on the control topic
+        self.producer_generate_s: dict[str, float] = {}
+        self._newest: WeightVersion | None = None
+
+    async def __aenter__(self) -> Evaluator:
+        def reader(kind: str, expected, **options) -> DecodingConsumer:
+            consumer = self.bus.consumer([topic_name(self.run, kind)],
+                                         group_id=f"miles.{self.run}.evaluator.{kind}", **options)
+            return DecodingConsumer(self.bus, consumer, dlq_topic=topic_name(self.run, "dlq"),
+                                    expected=expected)
+
+        self._control = reader("control", WeightVersion)
+        self._status = reader("status", Heartbeat, from_beginning=False)
+        for item in (self._control, self._status):
+            await item.consumer.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        for item in (self._control, self._status):
+            await item.consumer.close()
+
+    async def measure(self, problems: list[Problem] | None = None) -> float:
+        """Greedy accuracy of the loaded weights on `problems` (default: the curve's)."""
+        problems = self.problems if problems is None else problems
+        accuracy = await asyncio.to_thread(greedy_accuracy, self.engine, problems,
+                                           reward=self.reward)
+        log.info("held-out accuracy %.3f on %d problems at version %d", accuracy, len(problems),
+                 self.engine.policy_version)
+        return accuracy
+
+    async def read_topics(self, wait_s: float = 0.05) -> None:
+        """Take in everything new on the control and status topics."""
+        for item in await self._control.poll(timeout_s=wait_s):
+            if self._newest is None or item.value.policy_version > self._newest.policy_version:
+                self._newest = item.value
+                self.announced = item.value.policy_version
+        for item in await self._status.poll(timeout_s=wait_s):
+            beat = item.value
+            if beat.role == "producer" and "generate_s" in beat.extra:
+                self.producer_generate_s[beat.producer_id] = float(beat.extra["generate_s"])
+
+    async def wait_for_version(self, version: int, stop: asyncio.Event) -> None:
+        while self.announced < version and not stop.is_set():
+            await self.read_topics(wait_s=0.2)
+
+    async def load_newest(self) -> bool:
+        """Load the newest announced version if it is newer than the loaded one."""
+        if self._newest is None or self._newest.policy_version <= self.engine.policy_version:
+            return False
+        folder = await asyncio.to_thread(fetch_version, self._newest)
+        await asyncio.to_thread(self.engine.load_adapter, folder, self._newest.policy_version)
+        return True
+
+    async def follow(self, stop: asyncio.Event, started: float) -> None:
+        """Measure each newer version, at most every `every_s` seconds, until `stop`."""
+        while not await wait_or_stop(stop, self.every_s):
+            await self.read_topics()
+            if await self.load_newest():
+                began = time.perf_counter()
+                accuracy = await self.measure()
+                self.curve.eval_seconds += time.perf_counter() - began
+                self.curve.points.append({"seconds": round(time.monotonic() - started, 2),
+                                          "policy_version": self.engine.policy_version,
+                                          "accuracy": accuracy})
+
+    async def load_final(self, settle_s: float = 2.0) -> None:
+        """After training: read the topics until quiet, then load the last version."""
+        deadline = time.monotonic() + settle_s
+        while time.monotonic() < deadline:
+            await self.read_topics(wait_s=0.2)
+        await self.load_newest()

@@ -272,7 +272,9 @@ class RolloutWorker:
 
     async def _heartbeat(self, error: str | None = None) -> None:
         elapsed = max(time.monotonic() - self._started, 1e-9)
-        extra = {"groups": int(self.counts["producer/groups"]), "paused": self.paused}
+        extra = {"groups": int(self.counts["producer/groups"]), "paused": self.paused,
+                 "generate_s": round(self.counts["producer/generate_s"], 3),
+                 "other_s": round(self.counts["producer/other_s"], 3)}
         if error:
             extra["error"] = error
         beat = Heartbeat(producer_id=self.config.producer_id, role="producer",

@@ -15,6 +15,11 @@ import numpy as np
 
 from miles.errors import CodecError
 
+# `ndarray.max()`/`.min()` without the Python wrapper numpy puts around them (~20% of a reduction
+# over a group's arrays)
+_max, _min = np.maximum.reduce, np.minimum.reduce
+_UINT32 = np.dtype("<u4")
+
 
 @dataclass(frozen=True, kw_only=True)
 class ValueRule:
@@ -50,7 +55,7 @@ def token_ids_rule(vocab_size: int) -> ValueRule:
     """Every token id in [0, vocab_size) (ids are int32)."""
     return ValueRule(
         # Read as uint32, negative int32 ids become >= 2**31 > vocab_size: one max() checks both.
-        holds=lambda ids: ids.view("<u4").max() < vocab_size,  # ids are "<i4"
+        holds=lambda ids: _max(ids.view(_UINT32)) < vocab_size,  # ids are "<i4"
         violations=lambda ids: (ids < 0) | (ids >= vocab_size),
         explain=lambda v, i: f"token id {v} at index {i} outside [0, {vocab_size})",
     )
@@ -62,21 +67,21 @@ def _logprob_problem(value: np.generic, index: int) -> str:
 
 
 LOGPROBS = ValueRule(
-    holds=lambda lp: lp.max() <= 0.0 and lp.min() > -np.inf,  # NaN fails max() <= 0
+    holds=lambda lp: _max(lp) <= 0.0 and _min(lp) > -np.inf,  # NaN fails max <= 0
     violations=lambda lp: ~(np.isfinite(lp) & (lp <= 0.0)),
     explain=_logprob_problem,
 )
 """Behaviour logprobs: finite and <= 0."""
 
 VERSIONS = ValueRule(
-    holds=lambda v: v.min() >= 0,
+    holds=lambda v: _min(v) >= 0,
     violations=lambda v: v < 0,
     explain=lambda v, i: f"negative policy version {v} at index {i}",
 )
 """Per-token policy versions: >= 0."""
 
 FINITE = ValueRule(
-    holds=lambda x: x.max() < np.inf and x.min() > -np.inf,  # NaN fails both
+    holds=lambda x: _max(x) < np.inf and _min(x) > -np.inf,  # NaN fails both
     violations=lambda x: ~np.isfinite(x),
     explain=lambda v, i: f"value {v} at index {i} is not finite",
 )

@@ -24,7 +24,6 @@ REQUIRED = object()
 
 _WIRE_NAMES = {type(None): "nil", bool: "bool", int: "int", float: "float", str: "str",
                bytes: "bin", list: "array", dict: "map"}
-_SCALAR_TYPES = (str, int, float, bool)
 _BLOB_TYPES = (bytes, memoryview)  # memoryview: the encoder's own arrays, checked before packing
 _PREVIEW_CHARS = 60  # wire strings echoed in error messages are cut to this many characters
 
@@ -69,14 +68,25 @@ def _check_float(value: object, path: str, lo: float, hi: float) -> float:
     return value
 
 
-def _check_scalar(value: object, path: str) -> str | int | float | bool:
+def _check_scalar(value: object, map_path: str, key: str) -> str | int | float | bool:
+    """An entry of a scalar map; like the other map checks, builds the entry's path for errors
+    only (maps come with every record)."""
+    if (type(value) is str or type(value) is bool or (type(value) is float and math.isfinite(value))
+            or (type(value) is int and INT64_MIN <= value <= INT64_MAX)):
+        return value
+    path = _entry_path(map_path, key)
     if type(value) is int:
         return _check_int(value, path, INT64_MIN, INT64_MAX)
     if type(value) is float:
         return _check_float(value, path, -math.inf, math.inf)
-    if type(value) not in _SCALAR_TYPES:
-        raise CodecError(path, f"expected a str, int, float or bool, got {wire_type_name(value)}")
-    return value
+    raise CodecError(path, f"expected a str, int, float or bool, got {wire_type_name(value)}")
+
+
+def _check_map_float(value: object, map_path: str, key: str) -> float:
+    """An entry of a float map (see `_check_scalar`)."""
+    if type(value) is float and math.isfinite(value):
+        return value
+    return _check_float(value, _entry_path(map_path, key), -math.inf, math.inf)
 
 
 @dataclass(frozen=True)
@@ -93,15 +103,48 @@ class ArraySpec:
         object.__setattr__(self, "wire_dtype", self.dtype.str)
         object.__setattr__(self, "itemsize", self.dtype.itemsize)
 
+    def view(self, value: object, length: int | None = None) -> np.ndarray | None:
+        """`value` viewed zero-copy (read-only) if it is a valid array map `{dtype, length, data}`
+        of this spec (and of `length` elements when given), else None.
 
-def _array_parts_error(value: dict, path: str, spec: ArraySpec) -> CodecError:
-    """The error of an array map whose dtype, length or data is absent, ill-typed or wrong."""
-    parts = FieldReader(value, path)
-    parts.string("dtype")  # each raises if its part is absent or of the wrong type
-    parts.integer("length")
-    parts.blob("data", max_len=INT64_MAX)
-    return CodecError(path, f"dtype {preview(value['dtype'])} not allowed, "
-                            f"expected {spec.wire_dtype!r}")
+        Only says whether: `FieldReader.array` names what is wrong. It is the one test of an array
+        map, flat and without paths or messages since it runs for every array of a group.
+        """
+        if type(value) is not dict:
+            return None
+        n, data = value.get("length"), value.get("data")
+        if (value.get("dtype") != self.wire_dtype or type(n) is not int
+                or type(data) not in _BLOB_TYPES or not self.min_len <= n <= self.max_len
+                or len(data) != n * self.itemsize or (length is not None and n != length)):
+            return None
+        return np.frombuffer(data, self.dtype)
+
+
+def _array_error(value: object, path: str, spec: ArraySpec,
+                 same_length_as: tuple[str, int] | None) -> CodecError:
+    """Why `value` is not a valid array map (`spec.view` returned None), in the order a reader
+    would check: the map, its parts, the declared length, the data size, the sibling length."""
+    if type(value) is not dict:
+        return CodecError(path, f"expected an array map {{dtype, length, data}}, "
+                                f"got {wire_type_name(value)}")
+    declared, length, data = value.get("dtype"), value.get("length"), value.get("data")
+    if declared != spec.wire_dtype or type(length) is not int or type(data) not in _BLOB_TYPES:
+        parts = FieldReader(value, path)
+        parts.string("dtype")  # each raises if its part is absent or of the wrong type
+        parts.integer("length")
+        parts.blob("data", max_len=INT64_MAX)
+        return CodecError(path, f"dtype {preview(declared)} not allowed, "
+                                f"expected {spec.wire_dtype!r}")
+    if not spec.min_len <= length <= spec.max_len:
+        return CodecError(path, f"declared length {length} outside "
+                                f"[{spec.min_len}, {spec.max_len}]")
+    if len(data) != length * spec.itemsize:
+        return CodecError(path, f"declared length {length} needs {length * spec.itemsize} bytes "
+                                f"of {spec.wire_dtype}, data has {len(data)}")
+    if same_length_as is not None and length != same_length_as[1]:
+        return CodecError(path, f"length {length} differs from {same_length_as[0]} "
+                                f"length {same_length_as[1]}")
+    raise AssertionError("ArraySpec.view() and _array_error() disagree")  # a bug here
 
 
 class FieldReader:
@@ -145,6 +188,8 @@ class FieldReader:
         value = self._data.get(name)
         if value is None:
             return self._absent(name, default)
+        if type(value) is int and lo <= value <= hi:  # the common case, without building a path
+            return value
         return _check_int(value, self.path(name), lo, hi)
 
     def number(self, name: str, *, lo: float = -math.inf, hi: float = math.inf,
@@ -153,6 +198,8 @@ class FieldReader:
         value = self._data.get(name)
         if value is None:
             return self._absent(name, default)
+        if type(value) is float and lo <= value <= hi and math.isfinite(value):  # as `integer`
+            return value
         return _check_float(value, self.path(name), lo, hi)
 
     def integers(self, name: str, *, count: int, lo: int = 0, hi: int = INT64_MAX) -> list[int]:
@@ -194,50 +241,40 @@ class FieldReader:
     def scalar_map(self, name: str) -> dict[str, str | int | float | bool]:
         """A str -> scalar map (absent means empty)."""
         path = self.path(name)
-        return {k: _check_scalar(v, _entry_path(path, k)) for k, v in self._map(name).items()}
+        return {k: _check_scalar(v, path, k) for k, v in self._map(name).items()}
 
     def float_map(self, name: str) -> dict[str, float]:
         """A str -> finite float map (absent means empty)."""
         path = self.path(name)
-        return {k: _check_float(v, _entry_path(path, k), -math.inf, math.inf)
-                for k, v in self._map(name).items()}
+        return {k: _check_map_float(v, path, k) for k, v in self._map(name).items()}
 
-    def maps(self, name: str, *, min_len: int, max_len: int) -> list["FieldReader"]:
-        """An array of maps, one reader per element (paths `name[i]`)."""
+    def elements(self, name: str, *, min_len: int, max_len: int) -> list:
+        """An array of `min_len` to `max_len` elements, left unchecked for the caller to read
+        (`element(name, i, item)` wraps a map element in a reader)."""
         value = self._data.get(name)
         if value is None:
             return self._absent(name, REQUIRED)
-        path = self.path(name)
         if type(value) is not list:
-            raise CodecError(path, f"expected an array, got {wire_type_name(value)}")
+            raise CodecError(self.path(name), f"expected an array, got {wire_type_name(value)}")
         if not min_len <= len(value) <= max_len:
-            raise CodecError(path, f"must have {min_len} to {max_len} elements, got {len(value)}")
-        return [FieldReader(item, f"{path}[{i}]") for i, item in enumerate(value)]
+            raise CodecError(self.path(name),
+                             f"must have {min_len} to {max_len} elements, got {len(value)}")
+        return value
+
+    def element(self, name: str, index: int, item: object) -> "FieldReader":
+        """A reader of map `item`, element `index` of array `name` (path `name[index]`)."""
+        return FieldReader(item, f"{self.path(name)}[{index}]")
 
     def array(self, name: str, spec: ArraySpec, *, same_length_as: tuple[str, int] | None = None,
               default: object = REQUIRED):
         """A numeric array map `{dtype, length, data}`, viewed zero-copy (read-only).
 
         `same_length_as=(sibling, n)` requires the array to be as long as field `sibling`.
-        Written flat rather than through a nested reader: it runs for every array of a group.
         """
         value = self._data.get(name)
         if value is None:
             return self._absent(name, default)
-        if type(value) is not dict:
-            raise CodecError(self.path(name), "expected an array map {dtype, length, data}, "
-                                              f"got {wire_type_name(value)}")
-        declared, length, data = value.get("dtype"), value.get("length"), value.get("data")
-        if declared != spec.wire_dtype or type(length) is not int or type(data) not in _BLOB_TYPES:
-            raise _array_parts_error(value, self.path(name), spec)
-        if not spec.min_len <= length <= spec.max_len:
-            raise CodecError(self.path(name), f"declared length {length} outside "
-                                              f"[{spec.min_len}, {spec.max_len}]")
-        if len(data) != length * spec.itemsize:
-            raise CodecError(self.path(name), f"declared length {length} needs "
-                                              f"{length * spec.itemsize} bytes of "
-                                              f"{spec.wire_dtype}, data has {len(data)}")
-        if same_length_as is not None and length != same_length_as[1]:
-            raise CodecError(self.path(name), f"length {length} differs from {same_length_as[0]} "
-                                              f"length {same_length_as[1]}")
-        return np.frombuffer(data, spec.dtype)
+        array = spec.view(value, None if same_length_as is None else same_length_as[1])
+        if array is None:
+            raise _array_error(value, self.path(name), spec, same_length_as)
+        return array

@@ -71,7 +71,12 @@ def barrier() -> None:
 
 
 def destroy() -> None:
-    """Tear the default process group down (no-op when there is none)."""
+    """Tear the default process group down (no-op when there is none).
+
+    On a clean exit call `barrier()` first: with gloo, a rank that tears down while a peer is
+    still finishing its last collective can abort (`terminate called without an active
+    exception`). After an error, skip the barrier (a crashed peer would hang it).
+    """
     if dist.is_initialized():
         dist.destroy_process_group()
 

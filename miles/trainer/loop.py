@@ -30,7 +30,7 @@ import msgpack
 from miles.bus import Bus, TopicPartition
 from miles.bus.decoding import Decoded, DecodingConsumer
 from miles.errors import ConfigError
-from miles.protocol import Heartbeat, TrajectoryGroup, decode, encode
+from miles.protocol import Heartbeat, TrajectoryGroup, WeightVersion, decode, encode
 from miles.protocol.topics import topic_name
 from miles.service import wait_or_stop
 from miles.trainer import distributed
@@ -72,36 +72,54 @@ def unpack_step(payload: bytes) -> tuple[list[TrajectoryGroup], bool, dict]:
 
 
 class StepRunner:
-    """What every rank does for one step: train, export, maybe checkpoint (all collectives)."""
+    """What every rank does, in the same order on all of them (each call is a collective):
+    resume from the newest checkpoint, train a step, export its weights, checkpoint."""
 
-    def __init__(self, learner: Learner, config: LoopConfig):
+    def __init__(self, learner: Learner, config: LoopConfig, *, base_model: str):
         self.learner = learner
         self.config = config
+        self.base_model = base_model
         self.weights_dir = Path(config.out_dir) / "weights"
         self.checkpoints = Path(config.out_dir) / "checkpoints"
 
-    def resume(self) -> dict | None:
+    def resume(self) -> tuple[dict | None, WeightVersion | None]:
+        """Load the newest checkpoint if any; export the weights the trainer starts from."""
+        meta = None
         path = latest_checkpoint(self.checkpoints)
-        if path is None:
-            return None
-        state = self.learner.state_dict()
-        meta = load_checkpoint(path, state)
-        self.learner.load_state_dict(state)
-        return meta
+        if path is not None:
+            state = self.learner.state_dict()
+            meta = load_checkpoint(path, state)
+            self.learner.load_state_dict(state)
+        return meta, self.export(step=int(meta["step"]) if meta else 0)
 
-    def step(self, payload: bytes) -> dict[str, float] | None:
-        """Run one broadcast step message; None when the message says stop."""
+    def export(self, *, step: int) -> WeightVersion | None:
+        """Write the current weights to the store; rank 0 gets the record to announce."""
+        if not distributed.is_main():
+            self.learner.export_adapter(self.weights_dir)  # the gather is collective
+            return None
+        return write_version(self.weights_dir, policy_version=self.learner.policy_version,
+                             step=step, base_model=self.base_model,
+                             write=self.learner.export_adapter)
+
+    def step(self, payload: bytes) -> tuple[dict[str, float], WeightVersion | None] | None:
+        """Run one step message broadcast by rank 0; None when the message says stop."""
         payload = distributed.broadcast_bytes(payload if distributed.is_main() else None)
         if not payload:
             return None
         groups, checkpoint, meta = unpack_step(payload)
-        metrics = self.learner.train_step(groups) if groups else {}
+        metrics, record = {}, None
+        if groups:
+            version = self.learner.policy_version
+            metrics = self.learner.train_step(groups)
+            if self.learner.policy_version != version:
+                record = self.export(step=meta["step"])
         if checkpoint:
             save_checkpoint(self.checkpoints, meta["step"], self.learner.state_dict(), meta)
-        return metrics
+        return metrics, record
 
     def follow(self) -> None:
-        """Ranks other than 0: run steps until rank 0 broadcasts stop."""
+        """Ranks other than 0: resume, then run steps until rank 0 broadcasts stop."""
+        self.resume()
         while self.step(b"") is not None:
             pass
 
@@ -109,12 +127,11 @@ class StepRunner:
 class TrainerLoop:
     """Rank 0's side: the bus, staleness, weight versions, ledger, metrics, checkpoints."""
 
-    def __init__(self, bus: Bus, runner: StepRunner, *, base_model: str):
+    def __init__(self, bus: Bus, runner: StepRunner):
         self.bus = bus
         self.runner = runner
         self.learner = runner.learner
         self.config = runner.config
-        self.base_model = base_model
         self.out_dir = Path(self.config.out_dir)
         self.buffer: deque[Decoded] = deque()
         self.step = 0
@@ -157,11 +174,11 @@ class TrainerLoop:
     # -- resume -------------------------------------------------------------------------------
 
     async def _resume(self, consumer) -> dict[TopicPartition, int]:
-        meta = await self._blocking(self.runner.resume)
+        meta, record = await self._blocking(self.runner.resume)
+        await self._announce(record)
         await self._wait_for_assignment(consumer)
         offsets: dict[TopicPartition, int] = {}
         if meta is None:
-            await self._announce()
             return offsets
         self.step = int(meta["step"])
         for key, offset in meta["offsets"].items():
@@ -172,7 +189,6 @@ class TrainerLoop:
                 consumer.seek(tp, offset)
         self._truncate_ledger(self.step)
         log.info("resumed at step %d, policy version %d", self.step, self.learner.policy_version)
-        await self._announce()
         return offsets
 
     async def _wait_for_assignment(self, consumer) -> None:
@@ -228,12 +244,11 @@ class TrainerLoop:
             self.step % self.config.checkpoint_every == 0
         meta = {"step": self.step, "offsets": {f"{tp.topic}:{tp.partition}": o
                                                for tp, o in offsets.items()}}
-        version_before = self.learner.policy_version
         self._write_ledger(groups, dropped)
         payload = pack_step([g.record.value for g in groups], checkpoint=checkpoint, meta=meta)
-        metrics = await self._blocking(self.runner.step, payload)
-        if self.learner.policy_version != version_before:
-            await self._announce()
+        metrics, record = await self._blocking(self.runner.step, payload)
+        if record is not None:
+            await self._announce(record)
         self.counts["trainer/groups_trained"] += len(groups)
         self.counts["trainer/dropped_stale"] += len(dropped)
         self._write_metrics(metrics, groups, time.perf_counter() - began)
@@ -254,15 +269,8 @@ class TrainerLoop:
             updated[tp] = waiting.get(tp, await consumer.position(tp))
         return updated
 
-    async def _announce(self) -> None:
-        """Write the current weights to the store and announce them on the control topic."""
-        version = self.learner.policy_version
-        record = await self._blocking(self._write_weights, version)
+    async def _announce(self, record: WeightVersion) -> None:
         await self.bus.publish(self._topic("control"), encode(record), key=b"weights")
-
-    def _write_weights(self, version: int):
-        return write_version(self.runner.weights_dir, policy_version=version, step=self.step,
-                             base_model=self.base_model, write=self.learner.export_adapter)
 
     async def _finish(self, consumer, offsets: dict[TopicPartition, int]) -> None:
         if self.step and (not self.config.checkpoint_every or

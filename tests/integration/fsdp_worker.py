@@ -43,17 +43,15 @@ def shipped_groups() -> list:
 def main(model_dir: str, out_dir: str) -> None:
     config = LearnerConfig(lr=1e-3, max_tokens_per_micro_batch=40, seed=0)
     learner = Learner(model_dir, config, lora=LoraSettings(r=4, alpha=8))
-    try:
-        metrics = learner.train_step(shipped_groups())
-        learner.export_adapter(Path(out_dir) / "adapter")
-        if distributed.is_main():
-            report = {"world_size": distributed.world_size(),
-                      "micro_batches": len(learner.micro_batches(fixed_groups())), **metrics}
-            (Path(out_dir) / "metrics.json").write_text(json.dumps(report, indent=2))
-        else:
-            learner.micro_batches(fixed_groups())  # a collective: match rank 0's call
-    finally:
-        distributed.destroy()
+    metrics = learner.train_step(shipped_groups())
+    learner.export_adapter(Path(out_dir) / "adapter")
+    micro_batches = len(learner.micro_batches(fixed_groups()))  # a collective: every rank
+    if distributed.is_main():
+        report = {"world_size": distributed.world_size(), "micro_batches": micro_batches,
+                  **metrics}
+        (Path(out_dir) / "metrics.json").write_text(json.dumps(report, indent=2))
+    distributed.barrier()  # clean exit only: no rank tears gloo down while a peer still talks
+    distributed.destroy()
 
 
 if __name__ == "__main__":

@@ -26,6 +26,7 @@ from miles.tasks.tiny_model import build_tiny_model
 from miles.trainer import distributed
 from miles.trainer.learner import Learner, LearnerConfig
 from miles.trainer.loop import LoopConfig, StepRunner, TrainerLoop
+from tests.rewards import starts_with_digit
 
 LORA = LoraSettings(r=4, alpha=8)
 STEPS = 4
@@ -41,11 +42,6 @@ def model_dir(tmp_path_factory):
 def _process_group():
     yield
     distributed.destroy()
-
-
-def starts_with_digit(response: str, reference: str | None) -> float:
-    """A reward an untrained model earns sometimes, so advantages are not all zero."""
-    return float(response[:1].isdigit())
 
 
 def full(param) -> torch.Tensor:
@@ -66,7 +62,7 @@ async def run_loop(model_dir, out_dir, *, max_staleness: int):
         before = {n: full(p).clone() for n, p in learner.model.named_parameters()}
         loop = TrainerLoop(bus, StepRunner(learner, LoopConfig(
             run=run, out_dir=out_dir, groups_per_step=PER_STEP, max_staleness=max_staleness,
-            max_steps=STEPS, checkpoint_every=2)), base_model=str(model_dir))
+            max_steps=STEPS, checkpoint_every=2), base_model=str(model_dir)))
         stop = asyncio.Event()
         producing = asyncio.create_task(worker.run(stop))
         summary = await asyncio.wait_for(loop.run(asyncio.Event()), 300)

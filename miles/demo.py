@@ -1,0 +1,286 @@
+"""`miles demo`: the whole loop on one machine, learning for real on CPUs.
+
+Steps: build the tiny model and its supervised warm start (cached under ~/.cache/miles), measure
+held-out greedy accuracy, feed the training prompts, run rollout producer and trainer against
+each other for `rl_seconds` of wall-clock, measure held-out accuracy again, write
+`report.json` and `curves.png`.
+
+Embedded bus (default): producer and trainer run in this process on one event loop, each in its
+own worker thread with one torch thread (the two halves then overlap on two cores). Kafka bus:
+producer and trainer are separate processes (`python -m producers.rollout`,
+`python -m consumers.trainer`); this process feeds the prompts and evaluates.
+
+While training runs an evaluator follows the announced weight versions and measures held-out
+accuracy on `eval_problems` problems at most every `eval_every_s` seconds; its time counts in the
+RL wall-clock (nothing is paused for it) and is reported as its own fraction.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import logging
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+import yaml
+
+from consumers.trainer import TrainerSettings
+from miles.bus import open_bus
+from miles.config import log_config
+from miles.engines.base import LoraSettings
+from miles.engines.hf import HFEngine
+from miles.errors import ConfigError
+from miles.evaluation import Curve, Evaluator
+from miles.feeder import feed
+from miles.protocol.topics import run_topics
+from miles.rl.sampling import SamplingParams
+from miles.rollout import RolloutConfig, RolloutWorker
+from miles.service import run_service, wait_or_stop
+from miles.sft import SFTConfig, supervised_warm_start
+from miles.tasks.datasets import load_problems
+from miles.tasks.rewards import resolve_reward
+from miles.tasks.tiny_model import build_tiny_model
+from miles.trainer.learner import Learner, LearnerConfig
+from miles.trainer.loop import LoopConfig, StepRunner, TrainerLoop
+from producers.rollout import ProducerSettings
+
+log = logging.getLogger(__name__)
+CACHE = Path.home() / ".cache" / "miles" / "demo"
+
+
+@dataclass(frozen=True, kw_only=True)
+class DemoConfig:
+    bus: str = "embedded://"
+    out_dir: Path = Path("runs/demo")
+    run: str = "demo"
+    model_dir: Path | None = None  # a checkpoint to start from (default: the built tiny model)
+    prompts: str = "arithmetic"  # "arithmetic" or a JSONL file of {"prompt", "answer"}
+    eval_prompts: str | None = None  # JSONL for held-out evaluation (default: `prompts`' test)
+    reward: str = "exact_match"
+    rl_seconds: float = 120.0
+    max_staleness: int = 1
+    algo: str = "grpo"
+    eval_every_s: float = 10.0
+    eval_problems: int = 500
+    sft: SFTConfig = field(default_factory=SFTConfig)
+    lora: LoraSettings = field(default_factory=lambda: LoraSettings(r=16, alpha=32))
+    sampling: SamplingParams = field(default_factory=lambda: SamplingParams(
+        n=8, temperature=1.0, max_new_tokens=5))
+    learner: LearnerConfig = field(default_factory=lambda: LearnerConfig(lr=2e-3))
+    groups_per_step: int = 32
+
+    def __post_init__(self) -> None:
+        if self.algo != "grpo":
+            raise ConfigError(f"demo.algo: only 'grpo' is available so far, got {self.algo!r}")
+        if self.rl_seconds <= 0:
+            raise ConfigError(f"demo.rl_seconds must be > 0, got {self.rl_seconds}")
+
+    def rollout(self) -> RolloutConfig:
+        return RolloutConfig(run=self.run, producer_id="producer-0", sampling=self.sampling,
+                             prompts_per_batch=self.groups_per_step,
+                             max_staleness=self.max_staleness,
+                             groups_per_step=self.groups_per_step)
+
+    def loop(self) -> LoopConfig:
+        return LoopConfig(run=self.run, out_dir=self.out_dir, groups_per_step=self.groups_per_step,
+                          max_staleness=self.max_staleness, checkpoint_every=0)
+
+
+def warm_start(config: DemoConfig) -> Path:
+    """The model RL starts from: the user's, or the cached tiny model after `miles sft`."""
+    if config.model_dir is not None:
+        return Path(config.model_dir)
+    key = hashlib.sha256(json.dumps(asdict(config.sft), sort_keys=True).encode()).hexdigest()[:12]
+    sft_dir = CACHE / f"sft-{key}"
+    if (sft_dir / "config.json").exists():
+        return sft_dir
+    base = build_tiny_model(CACHE / "base")
+    log.info("building the supervised warm start in %s", sft_dir)
+    staging = sft_dir.with_name(sft_dir.name + ".tmp")
+    supervised_warm_start(base, staging, load_problems("arithmetic", "train"), config.sft)
+    staging.rename(sft_dir)
+    return sft_dir
+
+
+async def run_embedded(config: DemoConfig, model_dir: Path, evaluator: Evaluator,
+                       stop: asyncio.Event) -> dict:
+    """Producer and trainer in this process on the embedded bus, for `rl_seconds`."""
+    torch.set_num_threads(1)  # engine and learner threads each get one of the two cores
+    bus = evaluator.bus
+    engine = HFEngine(model_dir, lora=config.lora)
+    worker = RolloutWorker(bus, engine, resolve_reward(config.reward), config.rollout())
+    learner = Learner(model_dir, config.learner, lora=config.lora)
+    trainer = TrainerLoop(bus, StepRunner(learner, config.loop(), base_model=str(model_dir)))
+    started = time.monotonic()
+    async with asyncio.TaskGroup() as tasks:
+        producing = tasks.create_task(worker.run(stop))
+        training = tasks.create_task(trainer.run(stop))
+        tasks.create_task(evaluator.follow(stop, started))
+        await wait_or_stop(stop, config.rl_seconds)
+        stop.set()
+    training.result()
+    return {"rl_seconds": time.monotonic() - started,
+            "generate_s": worker.counts["producer/generate_s"]}
+
+
+def daemon_settings(config: DemoConfig, model_dir: Path):
+    """The producer's and the trainer's settings for this demo, as the daemons read them."""
+    producer = ProducerSettings(bus=config.bus, model_dir=model_dir, lora=config.lora,
+                                reward=config.reward, torch_threads=1, rollout=config.rollout())
+    trainer = TrainerSettings(bus=config.bus, model_dir=model_dir, lora=config.lora,
+                              torch_threads=1, learner=config.learner,
+                              loop=config.loop())
+    return producer, trainer
+
+
+def write_settings(settings, path: Path) -> Path:
+    plain = json.loads(json.dumps(asdict(settings), default=str))
+    path.write_text(yaml.safe_dump(plain, sort_keys=False))
+    return path
+
+
+async def run_processes(config: DemoConfig, model_dir: Path, evaluator: Evaluator,
+                        stop: asyncio.Event) -> dict:
+    """Producer and trainer as separate processes on Kafka; the clock starts when the trainer
+    has announced its first version."""
+    producer, trainer = daemon_settings(config, model_dir)
+    processes = []
+    for module, settings in (("consumers.trainer", trainer), ("producers.rollout", producer)):
+        name = module.split(".")[1]
+        path = write_settings(settings, config.out_dir / f"{name}.yaml")
+        log_file = open(config.out_dir / f"{name}.log", "w")
+        processes.append(subprocess.Popen([sys.executable, "-m", module, "--config", str(path)],
+                                          stdout=log_file, stderr=subprocess.STDOUT))
+    try:
+        await evaluator.wait_for_version(0, stop)
+        started = time.monotonic()
+        async with asyncio.TaskGroup() as tasks:
+            tasks.create_task(evaluator.follow(stop, started))
+            await wait_or_stop(stop, config.rl_seconds)
+            stop.set()
+        rl_seconds = time.monotonic() - started
+    finally:
+        for process in processes:
+            process.terminate()
+        for process in processes:
+            await asyncio.to_thread(process.wait, 120)
+    return {"rl_seconds": rl_seconds, "generate_s": sum(evaluator.producer_generate_s.values())}
+
+
+async def run_demo(config: DemoConfig, stop: asyncio.Event) -> dict:
+    """Warm start, evaluate, train for `rl_seconds` (or until `stop`), evaluate, report."""
+    began = time.monotonic()
+    model_dir = warm_start(config)
+    warm_s = time.monotonic() - began
+    held_out = load_problems(config.eval_prompts or config.prompts, "test")
+    fresh_out_dir(config.out_dir)
+    async with open_bus(config.bus) as bus:
+        await bus.create_topics(run_topics(config.run, prompt_partitions=1,
+                                           trajectory_partitions=1))
+        await feed(bus, config.run, load_problems(config.prompts, "train"), epochs=2)
+        evaluator = Evaluator(bus, config.run, model_dir, config.lora,
+                              held_out[:config.eval_problems], every_s=config.eval_every_s,
+                              reward=resolve_reward(config.reward))
+        async with evaluator:
+            initial = await evaluator.measure(held_out)
+            run = run_embedded if config.bus.startswith("embedded") else run_processes
+            result = await run(config, model_dir, evaluator, stop)
+            await evaluator.load_final()
+            final = await evaluator.measure(held_out)
+    return build_report(config, result, evaluator.curve, initial=initial, final=final,
+                        held_out=len(held_out), warm_s=warm_s, wall_s=time.monotonic() - began)
+
+
+def fresh_out_dir(out_dir: Path) -> None:
+    """A demo always starts from its warm start: drop what an earlier run left in `out_dir`."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for name in ("checkpoints", "weights"):
+        shutil.rmtree(out_dir / name, ignore_errors=True)
+    for name in ("metrics.jsonl", "ledger.jsonl", "report.json", "curves.png"):
+        (out_dir / name).unlink(missing_ok=True)
+
+
+def build_report(config: DemoConfig, result: dict, curve: Curve, *, initial: float,
+                 final: float, held_out: int, warm_s: float, wall_s: float) -> dict:
+    trainer = last_metrics(config.out_dir / "metrics.jsonl")
+    rl_s = result["rl_seconds"]
+    lags = {int(k): v for k, v in trainer.get("trainer/lag_histogram", {}).items()}
+    target = initial + 0.25
+    reached = next((p["seconds"] for p in curve.points if p["accuracy"] >= target), None)
+    train_s = _metric_sum(config.out_dir / "metrics.jsonl", "trainer/step_s")
+    generate_s = result["generate_s"]
+    return {
+        "bus": config.bus, "algo": config.algo, "max_staleness": config.max_staleness,
+        "initial_accuracy": initial, "final_accuracy": final,
+        "held_out_problems": held_out,
+        "steps": trainer.get("step", 0),
+        "policy_version": int(trainer.get("trainer/policy_version", 0)),
+        "wall_seconds": round(wall_s, 1), "rl_seconds": round(rl_s, 1),
+        "warm_start_seconds": round(warm_s, 1),
+        "seconds_to_plus_25": reached,
+        "max_lag_seen": max(lags) if lags else 0, "lag_histogram": lags,
+        "dropped_stale": trainer.get("trainer/dropped_stale", 0),
+        "groups_trained": trainer.get("trainer/groups_trained", 0),
+        "fraction_generating": round(generate_s / rl_s, 3),
+        "fraction_training": round(train_s / rl_s, 3),
+        "fraction_evaluating": round(curve.eval_seconds / rl_s, 3),
+        "curve": curve.points,
+    }
+
+
+def last_metrics(path: Path) -> dict:
+    lines = path.read_text().splitlines() if path.exists() else []
+    return json.loads(lines[-1]) if lines else {}
+
+
+def _metric_sum(path: Path, key: str) -> float:
+    if not path.exists():
+        return 0.0
+    return sum(json.loads(line).get(key, 0.0) for line in path.read_text().splitlines() if line)
+
+
+def plot_curves(report: dict, metrics_path: Path, out_path: Path) -> None:
+    """Reward per step and held-out accuracy over RL time, side by side."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [json.loads(line) for line in metrics_path.read_text().splitlines() if line] \
+        if metrics_path.exists() else []
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
+    left.plot([r["step"] for r in rows], [r["trainer/reward_mean"] for r in rows])
+    left.set(xlabel="step", ylabel="mean reward (training samples)", title="reward")
+    points = [{"seconds": 0.0, "accuracy": report["initial_accuracy"]}, *report["curve"]]
+    right.plot([p["seconds"] for p in points], [p["accuracy"] for p in points], marker="o")
+    right.axhline(report["initial_accuracy"] + 0.25, linestyle="--", color="grey",
+                  label="warm start + 25 points")
+    right.set(xlabel="RL wall-clock (s)", ylabel="held-out greedy accuracy", title="accuracy")
+    right.legend()
+    fig.suptitle(f"miles demo: {report['bus']}, {report['algo']}, "
+                 f"max_staleness={report['max_staleness']}")
+    fig.tight_layout()
+    fig.savefig(out_path, dpi=100)
+    plt.close(fig)
+
+
+def main_demo(config: DemoConfig) -> int:
+    logging.basicConfig(level=logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    log_config(config)
+    report = run_service(lambda stop: run_demo(config, stop))
+    (config.out_dir / "report.json").write_text(json.dumps(report, indent=2))
+    plot_curves(report, config.out_dir / "metrics.jsonl", config.out_dir / "curves.png")
+    gain = report["final_accuracy"] - report["initial_accuracy"]
+    print(f"held-out accuracy {report['initial_accuracy']:.3f} -> {report['final_accuracy']:.3f} "
+          f"({gain * 100:+.1f} points) in {report['steps']} steps, "
+          f"{report['rl_seconds']:.0f} s of RL, {report['wall_seconds']:.0f} s in all; "
+          f"report: {config.out_dir / 'report.json'}")
+    return 0
