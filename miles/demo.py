@@ -6,7 +6,7 @@ each other for `rl_seconds` of wall-clock, measure held-out accuracy again, writ
 `report.json` and `curves.png`.
 
 Embedded bus (default): producer and trainer run in this process on one event loop, each in its
-own worker thread with one torch thread (the two halves then overlap on two cores). Kafka bus:
+own worker thread (generation is the smaller half, so both keep torch's default threads). Kafka bus:
 producer and trainer are separate processes (`python -m producers.rollout`,
 `python -m consumers.trainer`); this process feeds the prompts and evaluates.
 
@@ -28,7 +28,6 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-import torch
 import yaml
 
 from consumers.trainer import TrainerSettings
@@ -69,11 +68,11 @@ class DemoConfig:
     algo: str = "grpo"
     eval_every_s: float = 10.0
     eval_problems: int = 500
-    sft: SFTConfig = field(default_factory=SFTConfig)
+    sft: SFTConfig = field(default_factory=lambda: SFTConfig(steps=800))
     lora: LoraSettings = field(default_factory=lambda: LoraSettings(r=16, alpha=32))
     sampling: SamplingParams = field(default_factory=lambda: SamplingParams(
         n=8, temperature=1.0, max_new_tokens=5))
-    learner: LearnerConfig = field(default_factory=lambda: LearnerConfig(lr=2e-3))
+    learner: LearnerConfig = field(default_factory=lambda: LearnerConfig(lr=1e-3))
     groups_per_step: int = 32
 
     def __post_init__(self) -> None:
@@ -112,7 +111,6 @@ def warm_start(config: DemoConfig) -> Path:
 async def run_embedded(config: DemoConfig, model_dir: Path, evaluator: Evaluator,
                        stop: asyncio.Event) -> dict:
     """Producer and trainer in this process on the embedded bus, for `rl_seconds`."""
-    torch.set_num_threads(1)  # engine and learner threads each get one of the two cores
     bus = evaluator.bus
     engine = HFEngine(model_dir, lora=config.lora)
     worker = RolloutWorker(bus, engine, resolve_reward(config.reward), config.rollout())

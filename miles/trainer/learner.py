@@ -1,16 +1,18 @@
 """The learner: one FSDP2-sharded policy (LoRA by default), its optimizer, and the train step.
 
 `train_step(groups)`: every rank receives the same list of groups and trains on its share
-(`groups[rank::world_size]`). It (a) scores every micro-batch with the current weights and no
-grad (the proximal logprobs), then (b) accumulates gradients over all micro-batches of the loss
+(`groups[rank::world_size]`). It (a) accumulates gradients over all micro-batches of the loss
 normalised by the response-token count of the whole global batch (all ranks), so the update is
-the token-mean over the global batch whatever the split, (c) clips the gradient norm and takes
+the token-mean over the global batch whatever the split, (b) clips the gradient norm and takes
 one optimizer step, which increments `policy_version`.
 
 Simplifications:
-- One optimizer step per `train_step`: the current policy equals the proximal one during the
-  update, so the PPO ratio is 1 and `trainer/clip_frac` is 0; what corrects off-policy data is
-  the truncated behaviour importance weight. Several mini-batch steps per call come later.
+- One optimizer step per `train_step`: the weights do not change until every micro-batch has
+  been scored, so the proximal policy of decoupled PPO *is* the current one and its logprobs are
+  the detached logprobs of the training forward (no second forward pass). The PPO ratio is then
+  1 and `trainer/clip_frac` is 0; what corrects off-policy data is the truncated behaviour
+  importance weight. Several mini-batch steps per call, which need a separate proximal pass,
+  come later.
 - Gradients are reduce-scattered after every micro-batch (FSDP2's default), not only after the
   last: simple and memory-lean; LoRA gradients are small.
 - A rank with fewer micro-batches runs idle ones (no response token) so every rank makes the
@@ -148,20 +150,17 @@ class Learner:
                               dtype=torch.float64)
         tokens, reward_sum, samples = distributed.all_reduce_sum(counts).tolist()
 
-        self.model.eval()
-        with torch.no_grad():
-            proximal = [self.score(b) for b in batches]  # [B, L-1] each
         self.model.train()
         sums: dict[str, torch.Tensor] = {}
-        for batch, proximal_logp in zip(batches, proximal):
-            add_metrics(sums, self._accumulate(batch, proximal_logp, normaliser=tokens))
+        for batch in batches:
+            add_metrics(sums, self._accumulate(batch, normaliser=tokens))
         grad_norm = self._step()
         return self._reduce(sums, grad_norm=grad_norm, tokens=tokens,
                             reward_mean=reward_sum / samples)
 
-    def _accumulate(self, batch: MicroBatch, proximal_logp: torch.Tensor, *, normaliser: float
-                    ) -> dict[str, torch.Tensor]:
+    def _accumulate(self, batch: MicroBatch, *, normaliser: float) -> dict[str, torch.Tensor]:
         logp = self.score(batch)  # [B, L-1]
+        proximal_logp = logp.detach()  # one update per step: proximal == current weights
         c = self.config
         loss, metrics = policy_loss(
             logp, proximal_logp, batch.behaviour_logprobs.to(self.device),
