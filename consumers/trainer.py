@@ -7,13 +7,12 @@ steps. Stops on SIGTERM (after the step in hand, with a final checkpoint) or aft
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from miles.config import load_config, log_config
+from miles.config import log_config, parse_config_args
 from miles.engines.base import LoraSettings
 from miles.service import run_service
 from miles.trainer.learner import LearnerConfig
@@ -33,12 +32,7 @@ class TrainerSettings:
 
 
 def parse_args(argv=None) -> TrainerSettings:
-    parser = argparse.ArgumentParser(prog="consumers.trainer", description=__doc__.splitlines()[0])
-    parser.add_argument("--config", type=Path, default=None, help="TOML or YAML file")
-    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                        help="override one setting, e.g. --set loop.max_staleness=2")
-    args = parser.parse_args(argv)
-    return load_config(TrainerSettings, path=args.config, overrides=args.set)
+    return parse_config_args(TrainerSettings, argv, prog="consumers.trainer", description=__doc__.splitlines()[0])
 
 
 def build_runner(settings: TrainerSettings):

@@ -204,3 +204,15 @@ def describe(config: Any) -> str:
 def log_config(config: Any) -> None:
     log.info("config %s %s", type(config).__name__, describe(config))
 
+
+
+def parse_config_args(cls: type[T], argv=None, *, prog: str, description: str) -> T:
+    """`--config FILE` and repeated `--set KEY=VALUE`, the command line of every daemon."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog=prog, description=description)
+    parser.add_argument("--config", type=Path, default=None, help="TOML or YAML file")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="override one setting, e.g. --set learner.lr=1e-4")
+    args = parser.parse_args(argv)
+    return load_config(cls, path=args.config, overrides=args.set)

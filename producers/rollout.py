@@ -6,12 +6,11 @@ Wires an engine, a reward function and the bus into a `RolloutWorker` and runs i
 
 from __future__ import annotations
 
-import argparse
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from miles.config import load_config, log_config
+from miles.config import log_config, parse_config_args
 from miles.engines.base import LoraSettings
 from miles.rollout import RolloutConfig, RolloutWorker
 from miles.service import run_service
@@ -32,12 +31,7 @@ class ProducerSettings:
 
 
 def parse_args(argv=None) -> ProducerSettings:
-    parser = argparse.ArgumentParser(prog="producers.rollout", description=__doc__.splitlines()[0])
-    parser.add_argument("--config", type=Path, default=None, help="TOML or YAML file")
-    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                        help="override one setting, e.g. --set rollout.sampling.n=8")
-    args = parser.parse_args(argv)
-    return load_config(ProducerSettings, path=args.config, overrides=args.set)
+    return parse_config_args(ProducerSettings, argv, prog="producers.rollout", description=__doc__.splitlines()[0])
 
 
 async def run_producer(settings: ProducerSettings, stop) -> dict:
