@@ -296,6 +296,7 @@ class TrainerLoop:
         samples = [s for g in groups for s in g.value.samples]
         line = {"step": self.step, "time": time.time(), **metrics,
                 "trainer/step_s": step_s,
+                "trainer/tokens_per_s": metrics.get("trainer/tokens", 0.0) / max(step_s, 1e-9),
                 "trainer/accuracy": sum(s.reward > 0 for s in samples) / max(len(samples), 1),
                 "trainer/max_lag": max(self.lags) if self.lags else 0,
                 "trainer/lag_histogram": {str(k): v for k, v in sorted(self.lags.items())},

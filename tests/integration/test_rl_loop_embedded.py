@@ -94,6 +94,7 @@ async def test_versions_advance_and_staleness_holds(model_dir, tmp_path, max_sta
     metrics = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in metrics] == list(range(1, STEPS + 1))
     for key in ("trainer/loss", "trainer/reward_mean", "trainer/kl_behaviour",
-                "trainer/is_weight_mean", "trainer/clip_frac", "trainer/step_s"):
+                "trainer/is_weight_mean", "trainer/clip_frac", "trainer/step_s",
+                "trainer/tokens_per_s"):
         assert all(isinstance(m[key], float) for m in metrics), key
     assert (tmp_path / "checkpoints" / "latest").read_text() == "step_00000004"
