@@ -8,7 +8,9 @@ makes unknown fields tolerated.
 Choices: types are exact (`type(v) is int`), as msgpack produces them; a bool is not an int; an
 int is accepted where a float is expected (other writers may pack 1.0 as 1); nil is the same as
 an absent field; floats must be finite everywhere. Arrays are `{dtype, length, data}` maps whose
-`data` is viewed in place with `numpy.frombuffer` (no copy, read-only).
+`data` is viewed in place with `numpy.frombuffer` (no copy, read-only). A valid value costs a few
+`type() is` tests; paths and messages are built only for an error (`ArraySpec.view` tests an array
+map, `_array_error` explains a failure), since these checks run for every field of every record.
 """
 
 import math
@@ -207,11 +209,11 @@ class FieldReader:
         value = self._data.get(name)
         if value is None:
             return self._absent(name, REQUIRED)
-        path = self.path(name)
         if type(value) is not list or len(value) != count:
-            raise CodecError(path, f"expected an array of {count} ints, got {preview(value)}"
-                                   + (f" of {len(value)}" if type(value) is list else ""))
-        return [_check_int(v, f"{path}[{i}]", lo, hi) for i, v in enumerate(value)]
+            got = preview(value) + (f" of {len(value)}" if type(value) is list else "")
+            raise CodecError(self.path(name), f"expected an array of {count} ints, got {got}")
+        return [v if type(v) is int and lo <= v <= hi  # as `integer`
+                else _check_int(v, f"{self.path(name)}[{i}]", lo, hi) for i, v in enumerate(value)]
 
     def blob(self, name: str, *, max_len: int) -> bytes:
         """A bin of at most `max_len` bytes."""

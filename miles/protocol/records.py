@@ -192,14 +192,14 @@ class DeadLetter(WireRecord):
                    created_at=created_at)
 
 
-R = TypeVar("R", bound=WireRecord)
+RecordT = TypeVar("RecordT", bound=WireRecord)
 
 
-def from_checked(record_type: type[R], values: dict[str, object]) -> R:
+def from_checked(record_type: type[RecordT], values: dict[str, object]) -> RecordT:
     """`record_type(**values)` for values the codec has checked; `values` names every field.
 
-    Skips the frozen dataclass `__init__` (an `object.__setattr__` call per field), which is
-    ~2.5x slower: decoding a group builds one `Sample` per response.
+    Skips the frozen dataclass `__init__` (an `object.__setattr__` call per field), ~2.5x slower:
+    decoding a group builds one `Sample` per response.
     """
     record = object.__new__(record_type)
     record.__dict__.update(values)

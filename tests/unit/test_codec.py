@@ -11,6 +11,8 @@ from miles.errors import CodecError
 from miles.protocol import (MAX_DEAD_LETTER_PAYLOAD_BYTES, MAX_RECORD_BYTES, MAX_SAMPLES_PER_GROUP,
                             MAX_TOKENS_PER_SEQUENCE, SCHEMA_VERSION, Command, DeadLetter,
                             PromptTask, TrajectoryGroup, WeightVersion, decode, encode)
+from miles.protocol.fields import FieldReader
+from miles.protocol.schema import read_plain_sample, read_sample
 from tests.factories import (VOCAB_SIZE, array_map, make_command, make_dead_letter, make_group,
                              make_heartbeat, make_prompt_task, make_records, make_sample,
                              make_weight_version, pack_map, wire_map)
@@ -71,6 +73,11 @@ def test_envelope_and_array_maps_on_the_wire():
     assert ids["dtype"] == "<i4" and ids["length"] == 5 and type(ids["data"]) is bytes
     assert len(ids["data"]) == 20
     assert raw["samples"][0]["logprobs"]["dtype"] == "<f4"
+
+
+def test_unset_optional_fields_are_left_off_the_wire():
+    raw = wire_map(make_group(n_samples=1, n_tokens=3, reference=None))
+    assert "reference" not in raw and not {"token_rewards", "error"} & raw["samples"][0].keys()
 
 
 def test_defaults_may_be_absent_or_nil_on_the_wire():
@@ -331,6 +338,22 @@ def test_newer_minor_schema_and_unknown_fields_are_read():
         raw["samples"][0]["new_sample_field"] = b"\x00"
         raw["samples"][0]["logprobs"]["new_array_field"] = "x"
     assert decode(tampered(GROUP, change)) == GROUP
+
+
+def test_fast_and_general_sample_readers_agree():
+    group = make_group(samples=[
+        make_sample(5, seed=1),
+        make_sample(5, seed=2, token_rewards=np.linspace(-1, 1, 5, dtype=np.float32), error="e")])
+    for i, item in enumerate(wire_map(group)["samples"]):
+        fast = read_plain_sample(item)
+        assert fast is not None and type(fast) is type(group.samples[i])
+        assert fast == read_sample(FieldReader(item, f"samples[{i}]")) == group.samples[i]
+
+
+def test_valid_samples_off_the_fast_path_are_read():
+    decoded = decode(tampered(GROUP, _set("samples[1].reward", 1)))  # another writer's int
+    assert type(decoded.samples[1].reward) is float and decoded.samples[1].reward == 1.0
+    assert decoded.samples[0] == GROUP.samples[0]
 
 
 def test_expected_type_is_enforced():
