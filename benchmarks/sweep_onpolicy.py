@@ -7,7 +7,7 @@ accuracy on 500 problems. Prints the settings, the time (evaluation excluded) an
 
     python benchmarks/sweep_onpolicy.py --model ~/.cache/miles/demo/sft-<key> --lr 1e-3 --steps 100
 """
-import time, sys, json, torch, numpy as np, random
+import time, torch, numpy as np, random
 from miles.engines.base import LoraSettings
 from miles.engines.hf import HFEngine
 from miles.trainer.learner import Learner, LearnerConfig

@@ -118,12 +118,11 @@ async def run_embedded(config: DemoConfig, model_dir: Path, evaluator: Evaluator
     trainer = TrainerLoop(bus, StepRunner(learner, config.loop(), base_model=str(model_dir)))
     started = time.monotonic()
     async with asyncio.TaskGroup() as tasks:
-        producing = tasks.create_task(worker.run(stop))
-        training = tasks.create_task(trainer.run(stop))
+        tasks.create_task(worker.run(stop))
+        tasks.create_task(trainer.run(stop))
         tasks.create_task(evaluator.follow(stop, started))
         await wait_or_stop(stop, config.rl_seconds)
         stop.set()
-    training.result()
     return {"rl_seconds": time.monotonic() - started,
             "generate_s": worker.counts["producer/generate_s"]}
 

@@ -32,7 +32,6 @@ from miles.bus.decoding import Decoded, DecodingConsumer
 from miles.errors import ConfigError
 from miles.protocol import Heartbeat, TrajectoryGroup, WeightVersion, decode, encode
 from miles.protocol.topics import topic_name
-from miles.service import wait_or_stop
 from miles.trainer import distributed
 from miles.trainer.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from miles.trainer.learner import Learner
