@@ -14,6 +14,9 @@ from pathlib import Path
 from miles.errors import ConfigError
 from miles.tasks.arithmetic import Problem, arithmetic_problems
 
+BUILT_IN = {"arithmetic": True, "arithmetic-plain": False}
+"""Built-in task names -> whether the answer is written least-significant digit first."""
+
 
 def read_jsonl(path: str | Path, *, prompt_key: str = "prompt", answer_key: str = "answer",
                id_key: str = "id") -> list[Problem]:
@@ -41,7 +44,8 @@ def read_jsonl(path: str | Path, *, prompt_key: str = "prompt", answer_key: str 
 
 
 def load_problems(source: str, split: str = "train") -> list[Problem]:
-    """`arithmetic` (the built-in task) or a path to a JSONL file (used for every split)."""
-    if source == "arithmetic":
-        return arithmetic_problems(split)
+    """`arithmetic` (the built-in task, reversed answers), `arithmetic-plain` (conventional
+    digit order) or a path to a JSONL file (used for every split)."""
+    if source in BUILT_IN:
+        return arithmetic_problems(split, reverse=BUILT_IN[source])
     return read_jsonl(source)

@@ -15,9 +15,14 @@ def test_arithmetic_splits_are_disjoint_deterministic_and_correct():
     assert len(test) == 1000 and len(train) == 100 * 100 - 1000
     assert not {p.prompt for p in train} & {p.prompt for p in test}
     assert arithmetic_problems("test") == test
-    for p in test[:50]:
+    plain = arithmetic_problems("test", reverse=False)
+    assert [p.prompt for p in plain] == [p.prompt for p in test]
+    for p, q in zip(test[:50], plain[:50]):
         a, b = p.prompt.rstrip("=").split("+")
-        assert int(p.answer) == int(a) + int(b)
+        assert int(q.answer) == int(a) + int(b)
+        assert p.answer == q.answer[::-1]  # least-significant digit first
+    assert any(p.answer != p.answer[::-1] for p in test)
+    assert load_problems("arithmetic-plain", "test") == plain
     with pytest.raises(ValueError):
         arithmetic_problems("dev")
 
