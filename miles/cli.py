@@ -106,18 +106,21 @@ async def _smoke(args: argparse.Namespace) -> int:
     return 0 if report["ok"] else 1
 
 
+PROMPTS_HELP = "a built-in task (arithmetic, arithmetic-plain) or a JSONL file"
+
+
 def _add_rl_commands(sub: argparse._SubParsersAction) -> None:
     sft = sub.add_parser("sft", help="build the tiny model and its supervised warm start")
     sft.add_argument("--out", type=Path, required=True, help="directory to save the model to")
     sft.add_argument("--model", type=Path, default=None,
                      help="start from this model directory (default: a fresh tiny model)")
-    sft.add_argument("--prompts", default="arithmetic", help="'arithmetic' or a JSONL file")
+    sft.add_argument("--prompts", default="arithmetic", help=PROMPTS_HELP)
     sft.add_argument("--steps", type=int, default=None)
 
     feed = sub.add_parser("feed", help="publish a dataset's prompts to a run's prompts topic")
     feed.add_argument("--bus", required=True, help="kafka://HOST:PORT")
     feed.add_argument("--run", required=True)
-    feed.add_argument("--prompts", default="arithmetic", help="'arithmetic' or a JSONL file")
+    feed.add_argument("--prompts", default="arithmetic", help=PROMPTS_HELP)
     feed.add_argument("--split", default="train")
     feed.add_argument("--epochs", type=int, default=1)
     feed.add_argument("--seed", type=int, default=0)
@@ -129,11 +132,14 @@ def _add_rl_commands(sub: argparse._SubParsersAction) -> None:
         daemon = sub.add_parser(name, help=text, add_help=False)
         daemon.add_argument("rest", nargs=argparse.REMAINDER)
 
+    sub.add_parser("algorithms", help="list the algorithm presets (--algo NAME)")
+
     demo = sub.add_parser("demo", help="the whole RL loop on one machine, with a report")
     demo.add_argument("--bus", default="embedded://", help="embedded:// or kafka://HOST:PORT")
     demo.add_argument("--out", type=Path, default=Path("runs/demo"))
     demo.add_argument("--max-staleness", type=int, default=None)
-    demo.add_argument("--algo", default=None)
+    demo.add_argument("--algo", default=None, help="algorithm preset (miles algorithms); "
+                                                   "default grpo")
     demo.add_argument("--model-dir", type=Path, default=None,
                       help="start from this checkpoint instead of the built-in warm start")
     demo.add_argument("--prompts", default=None, help="JSONL of {prompt, answer} (default: "
@@ -169,14 +175,24 @@ async def _feed(args: argparse.Namespace) -> int:
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from miles.config import load_config
+    from miles.config import load_config, nest
     from miles.demo import DemoConfig, main_demo
+    from miles.rl.algorithm import preset
 
     flags = {"bus": args.bus, "out_dir": args.out, "max_staleness": args.max_staleness,
-             "algo": args.algo, "model_dir": args.model_dir, "prompts": args.prompts,
+             "model_dir": args.model_dir, "prompts": args.prompts,
              "reward": args.reward, "rl_seconds": args.rl_seconds}
     overrides = [f"{k}={v}" for k, v in flags.items() if v is not None] + args.set
-    return main_demo(load_config(DemoConfig, overrides=overrides))
+    base = nest("learner.algorithm", preset(args.algo)) if args.algo else None
+    return main_demo(load_config(DemoConfig, overrides=overrides, base=base))
+
+
+def _algorithms(args: argparse.Namespace) -> int:
+    from miles.rl.algorithm import PRESETS
+
+    for name, spec in PRESETS.items():
+        print(f"{name:<13} {spec.summary}\n{'':<13} [{spec.paper}]")
+    return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -211,6 +227,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return asyncio.run(_feed(args))
         if args.command == "demo":
             return _demo(args)
+        if args.command == "algorithms":
+            return _algorithms(args)
     except MilesError as err:
         print(f"miles {args.command}: error: {err}", file=sys.stderr)
         return 2

@@ -1,10 +1,13 @@
 """Typed configuration: frozen dataclasses filled from a file, `--set` overrides and environment.
 
-Precedence, lowest first: dataclass defaults, the TOML/YAML file, `MILES_*` environment variables
+Precedence, lowest first: dataclass defaults, a preset (`base`, e.g. an algorithm preset), the
+TOML/YAML file, `MILES_*` environment variables
 (`MILES_BUS`, `MILES_LEARNER__LR`: `__` separates levels), then `--set a.b=c` overrides. Keys
 unknown to the dataclass are errors in files and overrides; environment variables that name no
 field are ignored, since other tools share the `MILES_` prefix. Strings (from any layer) are
 parsed into the field's type; other values must already have it (ints are accepted for floats).
+A nested section given in part keeps the other fields of its default (a `DemoConfig` whose
+default learner has lr 1e-3 keeps it when only `learner.seed` is set).
 """
 
 from __future__ import annotations
@@ -28,8 +31,9 @@ _TRUE, _FALSE = {"1", "true", "yes", "on"}, {"0", "false", "no", "off"}
 
 
 def load_config(cls: type[T], *, path: str | Path | None = None, overrides: Iterable[str] = (),
-                env: Mapping[str, str] | None = None) -> T:
-    data: dict[str, Any] = _read_file(Path(path)) if path else {}
+                env: Mapping[str, str] | None = None, base: Mapping[str, Any] | None = None
+                ) -> T:
+    data = merge(base or {}, _read_file(Path(path)) if path else {})
     env = os.environ if env is None else env
     for dotted, text in _env_settings(cls, env):
         _set_path(data, dotted, text)
@@ -39,6 +43,23 @@ def load_config(cls: type[T], *, path: str | Path | None = None, overrides: Iter
             raise ConfigError(f"--set expects key=value, got {item!r}")
         _set_path(data, key.strip(), text.strip())
     return build(cls, data)
+
+
+def merge(lower: Mapping[str, Any], upper: Mapping[str, Any]) -> dict[str, Any]:
+    """`upper` over `lower`, section by section (nested mappings merged, not replaced)."""
+    out = dict(lower)
+    for key, value in upper.items():
+        if isinstance(value, Mapping) and isinstance(out.get(key), Mapping):
+            value = merge(out[key], value)
+        out[key] = value
+    return out
+
+
+def nest(dotted: str, value: Any) -> dict[str, Any]:
+    """{"a": {"b": value}} for "a.b"."""
+    for part in reversed(dotted.split(".")):
+        value = {part: value}
+    return value
 
 
 def _read_file(path: Path) -> dict[str, Any]:
@@ -92,8 +113,9 @@ def _set_path(data: dict[str, Any], dotted: str, value: Any) -> None:
     node[leaf] = value
 
 
-def build(cls: type[T], data: Mapping[str, Any], where: str = "") -> T:
-    """A `cls` instance from a mapping, converting and checking every value."""
+def build(cls: type[T], data: Mapping[str, Any], where: str = "", default: Any = None) -> T:
+    """A `cls` instance from a mapping, converting and checking every value; fields the mapping
+    does not name come from `default` (an instance) if given, else from the dataclass."""
     if not isinstance(data, Mapping):
         raise ConfigError(f"{where.rstrip('.') or 'config'} must be a mapping, got {data!r}")
     hints = get_type_hints(cls)
@@ -102,12 +124,24 @@ def build(cls: type[T], data: Mapping[str, Any], where: str = "") -> T:
     if unknown:
         raise ConfigError(f"unknown config key {where}{unknown[0]}; known keys: "
                           f"{', '.join(sorted(names))}")
-    values = {name: convert(hints[name], data[name], f"{where}{name}")
+    values = {name: convert(hints[name], data[name], f"{where}{name}",
+                            _field_default(cls, name, default))
               for name in names if name in data}
     try:
-        return cls(**values)
+        return dataclasses.replace(default, **values) if default is not None else cls(**values)
     except TypeError as err:
         raise ConfigError(f"{where.rstrip('.') or cls.__name__}: {err}") from err
+
+
+def _field_default(cls: type, name: str, instance: Any) -> Any:
+    """The default value of field `name` (from `instance` when given), if it is a dataclass."""
+    if instance is not None:
+        value = getattr(instance, name)
+    else:
+        spec = next(f for f in dataclasses.fields(cls) if f.name == name)
+        value = spec.default_factory() if spec.default_factory is not dataclasses.MISSING \
+            else spec.default
+    return value if dataclasses.is_dataclass(value) and not isinstance(value, type) else None
 
 
 def _dataclass_in(tp: Any) -> type | None:
@@ -122,8 +156,9 @@ def _is_union(tp: Any) -> bool:
     return get_origin(tp) in (Union, types.UnionType)
 
 
-def convert(tp: Any, value: Any, where: str) -> Any:
-    """`value` as type `tp`; strings (command line, environment) are parsed."""
+def convert(tp: Any, value: Any, where: str, default: Any = None) -> Any:
+    """`value` as type `tp`; strings (command line, environment) are parsed. `default`: the
+    instance a partial section of a nested dataclass is merged into."""
     if _is_union(tp):
         args = get_args(tp)
         if value is None or (isinstance(value, str) and value.lower() in ("none", "null")):
@@ -132,14 +167,16 @@ def convert(tp: Any, value: Any, where: str) -> Any:
         errors = []
         for arg in (a for a in args if a is not type(None)):
             try:
-                return convert(arg, value, where)
+                return convert(arg, value, where, default)
             except ConfigError as err:
                 errors.append(str(err))
         raise ConfigError(errors[0] if errors else f"{where}: cannot be {value!r}")
     if dataclasses.is_dataclass(tp):
         if isinstance(value, str):
             value = _parse_json(value, where)
-        return build(tp, value, f"{where}.")
+        if dataclasses.is_dataclass(value) and isinstance(value, tp):
+            return value
+        return build(tp, value, f"{where}.", default if isinstance(default, tp) else None)
     if get_origin(tp) is Literal:
         if value not in get_args(tp):
             raise ConfigError(f"{where} must be one of {list(get_args(tp))}, got {value!r}")
@@ -206,13 +243,22 @@ def log_config(config: Any) -> None:
 
 
 
-def parse_config_args(cls: type[T], argv=None, *, prog: str, description: str) -> T:
-    """`--config FILE` and repeated `--set KEY=VALUE`, the command line of every daemon."""
+def parse_config_args(cls: type[T], argv=None, *, prog: str, description: str,
+                      algo_at: str | None = None) -> T:
+    """`--config FILE` and repeated `--set KEY=VALUE`, the command line of every daemon; with
+    `algo_at` (the dotted path of an `AlgorithmConfig`), also `--algo PRESET` as the base."""
     import argparse
 
     parser = argparse.ArgumentParser(prog=prog, description=description)
     parser.add_argument("--config", type=Path, default=None, help="TOML or YAML file")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="override one setting, e.g. --set learner.lr=1e-4")
+    if algo_at:
+        parser.add_argument("--algo", default=None, help="algorithm preset (miles algorithms)")
     args = parser.parse_args(argv)
-    return load_config(cls, path=args.config, overrides=args.set)
+    base = None
+    if getattr(args, "algo", None):
+        from miles.rl.algorithm import preset
+
+        base = nest(algo_at, preset(args.algo))
+    return load_config(cls, path=args.config, overrides=args.set, base=base)

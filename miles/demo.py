@@ -43,7 +43,7 @@ from miles.rl.sampling import SamplingParams
 from miles.rollout import RolloutConfig, RolloutWorker
 from miles.service import run_service, wait_or_stop
 from miles.sft import SFTConfig, supervised_warm_start
-from miles.tasks.datasets import load_problems
+from miles.tasks.datasets import BUILT_IN, load_problems
 from miles.tasks.rewards import resolve_reward
 from miles.tasks.tiny_model import build_tiny_model
 from miles.trainer.learner import Learner, LearnerConfig
@@ -60,15 +60,14 @@ class DemoConfig:
     out_dir: Path = Path("runs/demo")
     run: str = "demo"
     model_dir: Path | None = None  # a checkpoint to start from (default: the built tiny model)
-    prompts: str = "arithmetic"  # "arithmetic" or a JSONL file of {"prompt", "answer"}
+    prompts: str = "arithmetic"  # a built-in task (arithmetic, arithmetic-plain) or a JSONL file
     eval_prompts: str | None = None  # JSONL for held-out evaluation (default: `prompts`' test)
     reward: str = "exact_match"
     rl_seconds: float = 120.0
     max_staleness: int = 1
-    algo: str = "grpo"
     eval_every_s: float = 10.0
     eval_problems: int = 500
-    sft: SFTConfig = field(default_factory=lambda: SFTConfig(steps=800))
+    sft: SFTConfig = field(default_factory=SFTConfig)
     lora: LoraSettings = field(default_factory=lambda: LoraSettings(r=16, alpha=32))
     sampling: SamplingParams = field(default_factory=lambda: SamplingParams(
         n=8, temperature=1.0, max_new_tokens=5))
@@ -76,8 +75,6 @@ class DemoConfig:
     groups_per_step: int = 32
 
     def __post_init__(self) -> None:
-        if self.algo != "grpo":
-            raise ConfigError(f"demo.algo: only 'grpo' is available so far, got {self.algo!r}")
         if self.rl_seconds <= 0:
             raise ConfigError(f"demo.rl_seconds must be > 0, got {self.rl_seconds}")
 
@@ -96,14 +93,16 @@ def warm_start(config: DemoConfig) -> Path:
     """The model RL starts from: the user's, or the cached tiny model after `miles sft`."""
     if config.model_dir is not None:
         return Path(config.model_dir)
-    key = hashlib.sha256(json.dumps(asdict(config.sft), sort_keys=True).encode()).hexdigest()[:12]
+    task = config.prompts if config.prompts in BUILT_IN else "arithmetic"
+    key = hashlib.sha256(json.dumps({**asdict(config.sft), "task": task},
+                                    sort_keys=True).encode()).hexdigest()[:12]
     sft_dir = CACHE / f"sft-{key}"
     if (sft_dir / "config.json").exists():
         return sft_dir
     base = build_tiny_model(CACHE / "base")
     log.info("building the supervised warm start in %s", sft_dir)
     staging = sft_dir.with_name(sft_dir.name + ".tmp")
-    supervised_warm_start(base, staging, load_problems("arithmetic", "train"), config.sft)
+    supervised_warm_start(base, staging, load_problems(task, "train"), config.sft)
     staging.rename(sft_dir)
     return sft_dir
 
@@ -214,7 +213,7 @@ def build_report(config: DemoConfig, result: dict, curve: Curve, *, initial: flo
     train_s = _metric_sum(config.out_dir / "metrics.jsonl", "trainer/step_s")
     generate_s = result["generate_s"]
     return {
-        "bus": config.bus, "algo": config.algo, "max_staleness": config.max_staleness,
+        "bus": config.bus, "algo": config.learner.algorithm.name, "max_staleness": config.max_staleness,
         "initial_accuracy": initial, "final_accuracy": final,
         "held_out_problems": held_out,
         "steps": trainer.get("step", 0),

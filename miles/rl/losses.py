@@ -1,119 +1,165 @@
-"""Policy-gradient losses: decoupled PPO-clip with truncated behaviour importance weights.
+"""The policy loss: an objective, behaviour correction, aggregation and regularisers, composed.
 
-Three policies meet here (see docs of `decoupled_ppo_clip`): the behaviour policy that sampled
-the tokens (logprobs recorded by the engine), the proximal policy (the trainer's weights before
-this update, logprobs recomputed without grad) and the current policy (the weights being
-optimised). The trust region is around the proximal policy; staleness and engine/trainer numeric
-mismatch are corrected by the behaviour importance weight proximal/behaviour, truncated at
-`is_cap` (decoupled PPO, Hilton et al. 2021; truncated IS as in AReaL/slime).
-
-The objective (per-token terms) and the aggregation (token-mean over a given normaliser) are
-separate functions; `policy_loss` composes them and adds detached metric sums.
+Three policies meet here: the behaviour policy that sampled the tokens (logprobs recorded by the
+engine), the proximal policy (the trainer's weights before this update, logprobs recomputed
+without grad) and the current policy (the weights being optimised). `compute_policy_loss`:
+1. per-token objective terms of current vs proximal (`miles.rl.objectives`: ppo, gspo, cispo);
+2. times the detached behaviour weight proximal / behaviour (`miles.rl.correction`: decoupled PPO,
+   Hilton et al. 2021; truncated or masked, per token or per sequence);
+3. aggregated with global normalisers (`miles.rl.aggregation`), so gradient accumulation over
+   micro-batches and ranks is exact;
+4. plus kl_coef * KL(current || reference) and minus entropy_coef * entropy, aggregated the same
+   way (`miles.rl.kl`).
+It returns detached metric sums alongside. `clipped_value_loss` is the critic's loss (PPO).
 
 Simplifications:
-- Token-mean aggregation only; the normaliser is passed in (the response-token count of the
-  global batch, across micro-batches and ranks), so gradient accumulation is exact.
-- No KL penalty against a reference policy and no entropy bonus yet.
-- Metrics are sums/counts (plus one max), so callers add them over micro-batches and ranks and
-  divide once; `MAX_METRICS` names the ones to reduce with max instead of sum.
+- Metrics are sums/counts over the valid tokens (plus maxes), so callers add them over
+  micro-batches and ranks and divide once; `MAX_METRICS` names the ones to reduce with max.
+- The KL and entropy terms are not importance-weighted.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 
-LOG_RATIO_CLAMP = 20.0
-"""|log ratio| bound before `exp`: e^20 ~ 4.9e8 is finite in fp32 and bf16, so a huge log-ratio
-(a token the engine found near-impossible) gives a large but finite weight, never inf/nan."""
+from miles.errors import ConfigError
+from miles.rl.aggregation import AGGREGATIONS, Normalisers, get_aggregation, token_mean
+from miles.rl.correction import (IS_LEVELS, IS_MODES, BehaviourWeights, behaviour_weights,
+                                 logprob_mismatch, mismatch_kl)
+from miles.rl.kl import KL_KINDS, k3_kl, kl_estimate
+from miles.rl.objectives import OBJECTIVES, ObjectiveSettings, get_objective
+from miles.rl.ratios import LOG_RATIO_CLAMP, clamped_ratio
+
+__all__ = ["LOG_RATIO_CLAMP", "MAX_METRICS", "LossSettings", "clamped_ratio", "clipped_value_loss",
+           "compute_policy_loss", "k3_kl", "token_mean"]
 
 MAX_METRICS = frozenset({"is_weight_max"})
-"""Keys of `policy_loss` metrics to reduce with max (all others are sums)."""
+"""Keys of `compute_policy_loss` metrics to reduce with max (all others sum)."""
 
 
-@dataclass(frozen=True)
-class PolicyTerms:
-    """Per-token terms of the decoupled PPO-clip objective, all [B, T]."""
+@dataclass(frozen=True, kw_only=True)
+class LossSettings(ObjectiveSettings):
+    """How the policy loss is built; the clip bounds are inherited from `ObjectiveSettings`."""
 
-    loss: torch.Tensor  # [B, T] is_weight * pg, differentiable w.r.t. the current logprobs
-    ratio: torch.Tensor  # [B, T] current / proximal (log-ratio clamped), differentiable
-    is_weight: torch.Tensor  # [B, T] min(proximal / behaviour, is_cap), detached
-    clipped: torch.Tensor  # [B, T] bool: the clipped branch of the min is active
-    truncated: torch.Tensor  # [B, T] bool: the raw importance weight exceeded is_cap
+    objective: str = "ppo"  # per-token objective: ppo, gspo or cispo
+    aggregation: str = "token_mean"  # token_mean, seq_mean_token_mean or seq_sum_constant
+    is_level: Literal["token", "sequence", "geometric"] = "token"  # behaviour IS ratio level
+    is_mode: Literal["truncate", "mask"] = "truncate"  # clamp at is_upper, or zero out of range
+    is_upper: float = 2.0  # behaviour IS weight cap (truncate) or upper bound (mask)
+    is_lower: float | None = None  # mask mode only: lower bound of kept ratios; None: no bound
+    kl_coef: float = 0.0  # weight of the KL(current || reference) penalty; 0: off
+    kl_kind: Literal["k1", "k2", "k3"] = "k3"  # per-token KL estimator (Schulman 2020)
+    entropy_coef: float = 0.0  # weight of the entropy bonus (subtracted from the loss); 0: off
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        checks = [
+            (self.objective in OBJECTIVES,
+             f"rl.objective must be one of {sorted(OBJECTIVES)}, got {self.objective!r}"),
+            (self.aggregation in AGGREGATIONS,
+             f"rl.aggregation must be one of {sorted(AGGREGATIONS)}, got {self.aggregation!r}"),
+            (self.is_level in IS_LEVELS,
+             f"rl.is_level must be one of {list(IS_LEVELS)}, got {self.is_level!r}"),
+            (self.is_mode in IS_MODES,
+             f"rl.is_mode must be one of {list(IS_MODES)}, got {self.is_mode!r}"),
+            (self.is_upper >= 1, f"rl.is_upper must be >= 1, got {self.is_upper}"),
+            (self.is_lower is None or self.is_mode == "mask",
+             f"rl.is_lower only applies to is_mode='mask', got is_mode={self.is_mode!r}"),
+            (self.is_lower is None or 0 <= self.is_lower <= 1,
+             f"rl.is_lower must be in [0, 1] or None, got {self.is_lower}"),
+            (self.kl_coef >= 0, f"rl.kl_coef must be >= 0, got {self.kl_coef}"),
+            (self.kl_kind in KL_KINDS,
+             f"rl.kl_kind must be one of {list(KL_KINDS)}, got {self.kl_kind!r}"),
+            (self.entropy_coef >= 0, f"rl.entropy_coef must be >= 0, got {self.entropy_coef}"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise ConfigError(message)
 
 
-def clamped_ratio(log_numerator: torch.Tensor, log_denominator: torch.Tensor) -> torch.Tensor:
-    """exp(log_numerator - log_denominator) with the log-ratio clamped to +-LOG_RATIO_CLAMP."""
-    log_ratio = (log_numerator - log_denominator).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
-    return log_ratio.exp()
+def compute_policy_loss(logp: torch.Tensor, proximal_logp: torch.Tensor,
+                        behaviour_logp: torch.Tensor, advantages: torch.Tensor,
+                        mask: torch.Tensor, *, normalisers: Normalisers, settings: LossSettings,
+                        ref_logp: torch.Tensor | None = None,
+                        entropy: torch.Tensor | None = None
+                        ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Policy loss of one micro-batch (0-dim, differentiable) and its detached metric sums.
 
-
-def decoupled_ppo_clip(logp: torch.Tensor, proximal_logp: torch.Tensor,
-                       behaviour_logp: torch.Tensor, advantages: torch.Tensor, *,
-                       clip_low: float, clip_high: float, is_cap: float) -> PolicyTerms:
-    """Per-token decoupled PPO-clip terms.
-
-    ratio = exp(clamp(logp - proximal)), pg = -min(ratio * A, clip(ratio, 1 - clip_low,
-    1 + clip_high) * A), w = min(exp(clamp(proximal - behaviour)), is_cap) (no grad),
-    loss = w * pg. `logp`, `proximal_logp`, `behaviour_logp` are [B, T]; `advantages` is [B, T]
-    or broadcastable to it ([B, 1]).
+    `logp`, `proximal_logp`, `behaviour_logp`, `ref_logp`, `entropy` and `mask` (bool) are
+    [B, T]; `advantages` [B, T] or [B, 1]. `ref_logp` is needed when kl_coef > 0 and `entropy`
+    when entropy_coef > 0; given with a zero coefficient they are only measured. Metrics: see
+    `loss_metrics`.
     """
-    ratio = clamped_ratio(logp, proximal_logp.detach())  # [B, T]
-    unclipped = -ratio * advantages  # [B, T]
-    clipped = -ratio.clamp(1.0 - clip_low, 1.0 + clip_high) * advantages  # [B, T]
-    pg = torch.maximum(unclipped, clipped)  # [B, T] = -min(ratio * A, clip(ratio) * A)
-    raw_weight = clamped_ratio(proximal_logp, behaviour_logp).detach()  # [B, T]
-    is_weight = raw_weight.clamp(max=is_cap)  # [B, T]
-    return PolicyTerms(loss=is_weight * pg, ratio=ratio, is_weight=is_weight,
-                       clipped=(clipped > unclipped).detach(), truncated=raw_weight > is_cap)
+    if settings.kl_coef > 0 and ref_logp is None:
+        raise ValueError("compute_policy_loss: kl_coef > 0 needs ref_logp")
+    if settings.entropy_coef > 0 and entropy is None:
+        raise ValueError("compute_policy_loss: entropy_coef > 0 needs entropy")
+    terms = get_objective(settings.objective)(logp, proximal_logp, advantages, mask,
+                                              settings=settings)
+    weights = behaviour_weights(proximal_logp, behaviour_logp, mask, level=settings.is_level,
+                                mode=settings.is_mode, upper=settings.is_upper,
+                                lower=settings.is_lower)
+    aggregate = get_aggregation(settings.aggregation)
+    token_loss = weights.weight * terms.loss  # [B, T]
+    loss = aggregate(token_loss, mask, normalisers)
+    kl = None if ref_logp is None else kl_estimate(logp, ref_logp.detach(), settings.kl_kind)
+    if settings.kl_coef > 0:
+        loss = loss + settings.kl_coef * aggregate(kl, mask, normalisers)
+    if settings.entropy_coef > 0:
+        loss = loss - settings.entropy_coef * aggregate(entropy, mask, normalisers)
+    metrics = loss_metrics(logp, proximal_logp, behaviour_logp, mask, token_loss=token_loss,
+                           clipped=terms.clipped, weights=weights, kl=kl, entropy=entropy)
+    return loss, metrics
 
 
-def token_mean(values: torch.Tensor, mask: torch.Tensor, normaliser: float | torch.Tensor
-               ) -> torch.Tensor:
-    """Sum of `values` ([B, T]) where `mask` ([B, T] bool) is set, divided by `normaliser`.
+def loss_metrics(logp: torch.Tensor, proximal_logp: torch.Tensor, behaviour_logp: torch.Tensor,
+                 mask: torch.Tensor, *, token_loss: torch.Tensor, clipped: torch.Tensor,
+                 weights: BehaviourWeights, kl: torch.Tensor | None,
+                 entropy: torch.Tensor | None) -> dict[str, torch.Tensor]:
+    """Detached 0-dim metric sums over the `mask`ed tokens ([B, T] inputs).
 
-    With `normaliser` = the token count of the global batch, summing this over micro-batches and
-    ranks gives the token mean of the whole batch. Masked-out entries may hold inf/nan.
+    `tokens`, `loss_sum` (weighted per-token loss), `clipped`, `is_weight_sum`, `is_weight_max`
+    (max), `is_truncated`, `is_masked`, `kl_behaviour_sum` (k3 KL(behaviour || current)),
+    `kl_mismatch_sum` (k3 KL(behaviour || proximal)), `mismatch_sum` (|behaviour - proximal|),
+    and, when given, `kl_ref_sum` (the configured KL estimate) and `entropy_sum`. Divide the sums
+    by the summed `tokens`.
     """
-    return torch.where(mask, values, 0.0).sum() / normaliser
-
-
-def k3_kl(logp: torch.Tensor, behaviour_logp: torch.Tensor) -> torch.Tensor:
-    """Per-token k3 estimate of KL(behaviour || current) on behaviour-sampled tokens ([B, T]).
-
-    With r = p_current / p_behaviour: r - log r - 1 (>= 0, unbiased, low variance; Schulman 2020).
-    """
-    log_ratio = (logp - behaviour_logp).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)  # [B, T]
-    return log_ratio.exp() - log_ratio - 1.0
-
-
-def policy_loss(logp: torch.Tensor, proximal_logp: torch.Tensor, behaviour_logp: torch.Tensor,
-                advantages: torch.Tensor, mask: torch.Tensor, *,
-                normaliser: float | torch.Tensor, clip_low: float, clip_high: float,
-                is_cap: float) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Token-mean decoupled PPO-clip loss of one micro-batch, and detached metric sums.
-
-    Metrics (0-dim tensors, over the `mask`ed tokens of this micro-batch): `tokens`, `loss_sum`,
-    `clipped`, `is_weight_sum`, `is_weight_max`, `is_truncated`, `kl_behaviour_sum`,
-    `mismatch_sum` (|behaviour - proximal|). Divide the sums by the summed `tokens`.
-    """
-    terms = decoupled_ppo_clip(logp, proximal_logp, behaviour_logp, advantages,
-                               clip_low=clip_low, clip_high=clip_high, is_cap=is_cap)
-    loss = token_mean(terms.loss, mask, normaliser)
-
     def masked_sum(values: torch.Tensor) -> torch.Tensor:
         return torch.where(mask, values.detach().float(), 0.0).sum()
 
     metrics = {
         "tokens": mask.sum().float(),
-        "loss_sum": masked_sum(terms.loss),
-        "clipped": masked_sum(terms.clipped),
-        "is_weight_sum": masked_sum(terms.is_weight),
-        "is_weight_max": torch.where(mask, terms.is_weight, 0.0).max() if mask.numel()
+        "loss_sum": masked_sum(token_loss),
+        "clipped": masked_sum(clipped),
+        "is_weight_sum": masked_sum(weights.weight),
+        "is_weight_max": torch.where(mask, weights.weight, 0.0).max() if mask.numel()
         else torch.zeros(()),
-        "is_truncated": masked_sum(terms.truncated),
+        "is_truncated": masked_sum(weights.truncated),
+        "is_masked": masked_sum(weights.masked),
         "kl_behaviour_sum": masked_sum(k3_kl(logp.detach(), behaviour_logp)),
-        "mismatch_sum": masked_sum((behaviour_logp - proximal_logp).abs()),
+        "kl_mismatch_sum": masked_sum(mismatch_kl(proximal_logp, behaviour_logp)),
+        "mismatch_sum": masked_sum(logprob_mismatch(proximal_logp, behaviour_logp)),
     }
-    return loss, metrics
+    if kl is not None:
+        metrics["kl_ref_sum"] = masked_sum(kl)
+    if entropy is not None:
+        metrics["entropy_sum"] = masked_sum(entropy)
+    return metrics
+
+
+def clipped_value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, *,
+                       clip: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token PPO value loss and whether its clipped branch is active, both [B, T].
+
+    0.5 * max((V - R)^2, (V_old + clamp(V - V_old, -clip, clip) - R)^2), the value clipping
+    of the PPO reference implementations; `clip` 0 disables it (plain 0.5 * (V - R)^2).
+    """
+    unclipped = (values - returns) ** 2  # [B, T]
+    if clip <= 0:
+        return 0.5 * unclipped, torch.zeros_like(unclipped, dtype=torch.bool)
+    clipped_values = old_values + (values - old_values).clamp(-clip, clip)  # [B, T]
+    clipped = (clipped_values - returns) ** 2  # [B, T]
+    return 0.5 * torch.maximum(unclipped, clipped), (clipped > unclipped).detach()

@@ -2,8 +2,9 @@
 
 A row is one sample: prompt + response, right-padded. Logits at position t predict token t+1,
 so the per-token tensors (`response_mask`, `behaviour_logprobs`) are aligned with the targets
-`input_ids[:, 1:]` and have length L - 1. Advantages are computed per group (GRPO) from the
-recorded rewards before the group's samples are spread over micro-batches.
+`input_ids[:, 1:]` and have length L - 1. Outcome advantages are computed from the recorded
+rewards of the whole batch (`outcome_advantages`: reward shaping, then the configured estimator)
+before the samples are spread over micro-batches.
 
 Simplifications:
 - The budget counts padded tokens (rows x longest row), what activation memory scales with.
@@ -13,6 +14,8 @@ Simplifications:
 - One sampling setting (temperature, top_k, top_p) per micro-batch: rows are split by setting
   first, so a batch mixing settings gives more, smaller micro-batches, never an error.
 - No sequence packing (several rows concatenated into one with block-diagonal attention).
+- Estimators that normalise over the batch (`reinforce_pp`) see all groups at once when every
+  group has the same number of samples; a batch mixing group sizes is estimated group by group.
 """
 
 from __future__ import annotations
@@ -23,7 +26,8 @@ import torch
 
 from miles.errors import MilesError
 from miles.protocol import Sample, TrajectoryGroup
-from miles.rl.advantages import grpo_advantages
+from miles.rl.advantages import get_estimator
+from miles.rl.algorithm import AlgorithmConfig
 
 
 @dataclass(frozen=True)
@@ -42,10 +46,11 @@ class MicroBatch:
     input_ids: torch.Tensor  # [B, L] int64, prompt + response, right-padded
     attention_mask: torch.Tensor  # [B, L] int64, 1 on real tokens
     position_ids: torch.Tensor  # [B, L] int64, 0..len-1 on real tokens, 0 on padding
-    response_mask: torch.Tensor  # [B, L-1] bool: target t (= input_ids[:, t+1]) is a response token
+    response_mask: torch.Tensor  # [B, L-1] bool: target t (= input_ids[:, t+1]) is a trained
+    # response token (all response tokens of a row, none for a masked row)
     behaviour_logprobs: torch.Tensor  # [B, L-1] float32 engine logprobs of the targets, 0 off-mask
-    advantages: torch.Tensor  # [B] float32
-    rewards: torch.Tensor  # [B] float32
+    advantages: torch.Tensor  # [B] float32 outcome advantages (0 under the critic: GAE is later)
+    rewards: torch.Tensor  # [B] float32 shaped rewards
     sampling: SamplingSetting
     sample_ids: tuple[tuple[str, int], ...]  # [B] (group_id, index in group.samples)
 
@@ -64,7 +69,9 @@ class _Row:
     sample_id: tuple[str, int]
     prompt: np.ndarray  # [P]
     sample: Sample
+    reward: float  # after shaping
     advantage: float
+    trained: bool  # False: the row is scored but has no loss (a masked truncated response)
 
     @property
     def length(self) -> int:
@@ -83,11 +90,43 @@ def sampling_setting(group: TrajectoryGroup) -> SamplingSetting:
                            top_p=top_p)
 
 
-def group_rows(group: TrajectoryGroup, *, scale_by_std: bool = True) -> list[_Row]:
-    """One row per sample of `group`, with its GRPO advantage."""
-    rewards = torch.tensor([[s.reward for s in group.samples]], dtype=torch.float32)  # [1, n]
-    advantages = grpo_advantages(rewards, scale_by_std=scale_by_std)[0]  # [n]
-    return [_Row((group.group_id, i), group.prompt_token_ids, sample, float(advantages[i]))
+def max_new_tokens(group: TrajectoryGroup) -> int:
+    """The response length limit `group` was sampled with (its longest response if unrecorded)."""
+    recorded = int(group.sampling.get("max_new_tokens", 0))
+    return recorded if recorded > 0 else max(len(s.response_token_ids) for s in group.samples)
+
+
+def shaped_rewards(group: TrajectoryGroup, algorithm: AlgorithmConfig) -> torch.Tensor:
+    """The recorded rewards of `group` ([n]), plus DAPO's overlong penalty when configured:
+    0 up to max_new_tokens - overlong_buffer tokens, then falling linearly to -overlong_penalty
+    at max_new_tokens."""
+    rewards = torch.tensor([s.reward for s in group.samples], dtype=torch.float64)  # [n]
+    if algorithm.overlong_buffer:
+        limit = max_new_tokens(group)
+        lengths = torch.tensor([len(s.response_token_ids) for s in group.samples])  # [n]
+        excess = (lengths - (limit - algorithm.overlong_buffer)).clamp(min=0)
+        rewards -= (excess / algorithm.overlong_buffer).clamp(max=1.0) * algorithm.overlong_penalty
+    return rewards
+
+
+def outcome_advantages(groups: list[TrajectoryGroup], algorithm: AlgorithmConfig
+                       ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """(shaped rewards, advantages) per group ([n] each) under `algorithm.estimator`; zero
+    advantages for `gae`, whose advantages come from the critic."""
+    rewards = [shaped_rewards(g, algorithm) for g in groups]
+    if algorithm.uses_critic or not groups:
+        return rewards, [torch.zeros(len(r)) for r in rewards]
+    estimator = get_estimator(algorithm.estimator)
+    if len({len(r) for r in rewards}) == 1:
+        return rewards, list(estimator(torch.stack(rewards)).unbind(0))  # [G, n] at once
+    return rewards, [estimator(r.unsqueeze(0))[0] for r in rewards]
+
+
+def group_rows(group: TrajectoryGroup, rewards: torch.Tensor, advantages: torch.Tensor, *,
+               mask_truncated: bool = False) -> list[_Row]:
+    """One row per sample of `group`."""
+    return [_Row((group.group_id, i), group.prompt_token_ids, sample, float(rewards[i]),
+                 float(advantages[i]), not (mask_truncated and sample.finish_reason == "length"))
             for i, sample in enumerate(group.samples)]
 
 
@@ -120,33 +159,35 @@ def collate(rows: list[_Row], sampling: SamplingSetting, *, pad_id: int) -> Micr
         input_ids[b, p:n] = torch.from_numpy(row.sample.response_token_ids.astype(np.int64))
         attention_mask[b, :n] = 1
         position_ids[b, :n] = torch.arange(n)
-        response_mask[b, p - 1:n - 1] = True  # targets p..n-1 are predicted at p-1..n-2
+        response_mask[b, p - 1:n - 1] = row.trained  # targets p..n-1 are predicted at p-1..n-2
         behaviour[b, p - 1:n - 1] = torch.from_numpy(row.sample.logprobs.astype(np.float32))
     return MicroBatch(
         input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
         response_mask=response_mask, behaviour_logprobs=behaviour,
         advantages=torch.tensor([r.advantage for r in rows], dtype=torch.float32),
-        rewards=torch.tensor([r.sample.reward for r in rows], dtype=torch.float32),
+        rewards=torch.tensor([r.reward for r in rows], dtype=torch.float32),
         sampling=sampling, sample_ids=tuple(r.sample_id for r in rows))
 
 
 def make_micro_batches(groups: list[TrajectoryGroup], *, max_tokens: int, pad_id: int = 0,
-                       scale_by_std: bool = True) -> list[MicroBatch]:
-    """Micro-batches holding every sample of `groups` exactly once."""
+                       algorithm: AlgorithmConfig = AlgorithmConfig(),
+                       outcomes: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None
+                       ) -> list[MicroBatch]:
+    """Micro-batches holding every sample of `groups` exactly once. `outcomes`: the (rewards,
+    advantages) of `groups` when computed over a larger batch (default: over `groups`)."""
     if max_tokens < 1:
         raise MilesError(f"max_tokens must be >= 1, got {max_tokens}")
     for group in groups:
         if len(group.prompt_token_ids) < 1:
             raise MilesError(f"group {group.group_id}: empty prompt (nothing predicts the "
                              "first response token)")
-    by_setting: dict[SamplingSetting, list[TrajectoryGroup]] = {}
-    for group in groups:
-        by_setting.setdefault(sampling_setting(group), []).append(group)
-    batches = []
-    for setting, same in by_setting.items():
-        rows = [row for g in same for row in group_rows(g, scale_by_std=scale_by_std)]
-        batches += [collate(pack, setting, pad_id=pad_id) for pack in pack_rows(rows, max_tokens)]
-    return batches
+    rewards, advantages = outcomes or outcome_advantages(groups, algorithm)
+    by_setting: dict[SamplingSetting, list[_Row]] = {}
+    for group, r, a in zip(groups, rewards, advantages, strict=True):
+        by_setting.setdefault(sampling_setting(group), []).extend(
+            group_rows(group, r, a, mask_truncated=algorithm.mask_truncated))
+    return [collate(pack, setting, pad_id=pad_id)
+            for setting, rows in by_setting.items() for pack in pack_rows(rows, max_tokens)]
 
 
 def idle_micro_batch(*, pad_id: int = 0) -> MicroBatch:

@@ -1,30 +1,32 @@
 """The learner: one FSDP2-sharded policy (LoRA by default), its optimizer, and the train step.
 
-`train_step(groups)`: every rank receives the same list of groups and trains on its share
-(`groups[rank::world_size]`). It (a) accumulates gradients over all micro-batches of the loss
-normalised by the response-token count of the whole global batch (all ranks), so the update is
-the token-mean over the global batch whatever the split, (b) clips the gradient norm and takes
-one optimizer step, which increments `policy_version`.
+`train_step(groups)`: every rank receives the same list of groups. It (a) computes outcome
+advantages over the whole batch (`AlgorithmConfig.estimator`, after reward shaping), (b) splits
+the groups into `mini_batches` slices, (c) before any update scores what the update needs
+without grad: proximal logprobs (only with several slices; with one, the proximal policy *is*
+the current one and its logprobs are the detached training logprobs), reference logprobs (KL
+term), and the critic's values, from which GAE advantages are computed and whitened over the
+global batch, (d) per slice, trains on this rank's share of the groups (`slice[rank::world]`),
+accumulating gradients of the loss normalised over the whole slice on all ranks, clips the
+gradient norm and steps. A `train_step` that updated the actor increments `policy_version`.
+
+Under LoRA the reference policy is the base with the adapter disabled and the critic (PPO) is a
+second adapter plus a value head on the same base (`miles.trainer.critic`); under full
+fine-tuning the reference is a frozen copy.
 
 Simplifications:
-- One optimizer step per `train_step`: the weights do not change until every micro-batch has
-  been scored, so the proximal policy of decoupled PPO *is* the current one and its logprobs are
-  the detached logprobs of the training forward (no second forward pass). The PPO ratio is then
-  1 and `trainer/clip_frac` is 0; what corrects off-policy data is the truncated behaviour
-  importance weight. Several mini-batch steps per call, which need a separate proximal pass,
-  come later.
 - Gradients are reduce-scattered after every micro-batch (FSDP2's default), not only after the
   last: simple and memory-lean; LoRA gradients are small.
 - A rank with fewer micro-batches runs idle ones (no response token) so every rank makes the
   same FSDP collectives.
-- A step whose gradient norm is not finite is skipped (`trainer/skipped_step` = 1) and does not
-  count as a policy version.
+- A step whose gradient norm is not finite is skipped (`trainer/skipped_step` = 1).
+- The critic needs LoRA (a full-parameter critic is not implemented).
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -37,10 +39,15 @@ from torch.distributed.tensor import DTensor
 
 from miles.errors import ConfigError, MilesError
 from miles.protocol import TrajectoryGroup
-from miles.rl.losses import MAX_METRICS, policy_loss
-from miles.rl.sampling import sampled_logprobs
-from miles.trainer import distributed
-from miles.trainer.batching import MicroBatch, idle_micro_batch, make_micro_batches
+from miles.rl.advantages import gae_advantages, token_rewards
+from miles.rl.aggregation import Normalisers, aggregate_token_mean
+from miles.rl.algorithm import AlgorithmConfig
+from miles.rl.kl import entropy_from_logits, kl_estimate
+from miles.rl.losses import MAX_METRICS, clipped_value_loss, compute_policy_loss
+from miles.rl.sampling import process_logits
+from miles.trainer import critic, distributed
+from miles.trainer.batching import (MicroBatch, idle_micro_batch, make_micro_batches,
+                                    max_new_tokens, outcome_advantages)
 from miles.trainer.model import (LoraSettings, apply_fsdp, export_adapter, load_policy,
                                  trainable_names)
 
@@ -52,32 +59,27 @@ gradient instead of a nan from -inf - -inf."""
 
 @dataclass(frozen=True, kw_only=True)
 class LearnerConfig:
-    """Optimizer and loss settings of the learner."""
+    """Optimizer settings of the learner and the algorithm it runs."""
 
     lr: float = 1e-4  # AdamW learning rate (LoRA tolerates ~10x the full fine-tuning rate)
+    critic_lr: float = 0.0  # learning rate of the critic adapter and value head (0: lr)
     weight_decay: float = 0.0  # AdamW decoupled weight decay
     betas: tuple[float, float] = (0.9, 0.999)  # AdamW moment decay rates
     adam_eps: float = 1e-8  # AdamW denominator epsilon
-    clip_low: float = 0.2  # PPO ratio lower clip: 1 - clip_low
-    clip_high: float = 0.28  # PPO ratio upper clip: 1 + clip_high (clip-higher, DAPO)
-    is_cap: float = 2.0  # truncation of the behaviour importance weight proximal/behaviour
     grad_clip: float = 1.0  # max global gradient norm (inf disables clipping)
     max_tokens_per_micro_batch: int = 8192  # padded tokens (rows x longest) per forward
-    scale_advantages_by_std: bool = True  # GRPO: divide the group-centred reward by its std
     seed: int = 0  # seeds the LoRA init (identical on every rank) and torch's RNG
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)  # estimator, loss, ...
 
     def __post_init__(self) -> None:
         checks = [
             (self.lr > 0, f"trainer.lr must be > 0, got {self.lr}"),
+            (self.critic_lr >= 0, f"trainer.critic_lr must be >= 0, got {self.critic_lr}"),
             (self.weight_decay >= 0,
              f"trainer.weight_decay must be >= 0, got {self.weight_decay}"),
             (len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas),
              f"trainer.betas must be two values in [0, 1), got {self.betas}"),
             (self.adam_eps > 0, f"trainer.adam_eps must be > 0, got {self.adam_eps}"),
-            (0 <= self.clip_low < 1, f"trainer.clip_low must be in [0, 1), got {self.clip_low}"),
-            (self.clip_high >= self.clip_low,
-             f"trainer.clip_high must be >= clip_low ({self.clip_low}), got {self.clip_high}"),
-            (self.is_cap >= 1, f"trainer.is_cap must be >= 1, got {self.is_cap}"),
             (self.grad_clip > 0, f"trainer.grad_clip must be > 0, got {self.grad_clip}"),
             (self.max_tokens_per_micro_batch >= 1, "trainer.max_tokens_per_micro_batch must be "
              f">= 1, got {self.max_tokens_per_micro_batch}"),
@@ -88,7 +90,7 @@ class LearnerConfig:
 
 
 def add_metrics(total: dict[str, torch.Tensor], new: dict[str, torch.Tensor]) -> None:
-    """Fold one micro-batch's `policy_loss` metrics into `total` (sum, or max for MAX_METRICS)."""
+    """Fold one micro-batch's metrics into `total` (sum, or max for MAX_METRICS)."""
     for key, value in new.items():
         if key not in total:
             total[key] = value
@@ -98,108 +100,282 @@ def add_metrics(total: dict[str, torch.Tensor], new: dict[str, torch.Tensor]) ->
             total[key] = total[key] + value
 
 
+@dataclass
+class Prepared:
+    """What one micro-batch's update needs, scored before any update of the step ([B, L-1])."""
+
+    proximal: torch.Tensor | None = None  # proximal logprobs (None: the detached current ones)
+    reference: torch.Tensor | None = None  # reference logprobs (KL term)
+    old_values: torch.Tensor | None = None  # critic values before the update
+    advantages: torch.Tensor | None = None  # per-token GAE advantages (whitened)
+    returns: torch.Tensor | None = None  # GAE returns (value targets)
+
+
+def split_evenly(items: list, parts: int) -> list[list]:
+    """`items` cut into at most `parts` contiguous, non-empty slices of near-equal size."""
+    parts = min(parts, len(items))
+    bounds = [round(i * len(items) / parts) for i in range(parts + 1)]
+    return [items[a:b] for a, b in zip(bounds, bounds[1:])]
+
+
 class Learner:
-    """The policy being trained, sharded over all ranks of the default process group."""
+    """The policy being trained (and its critic and reference when the algorithm needs them),
+    sharded over all ranks of the default process group."""
 
     def __init__(self, model_dir: str | Path, config: LearnerConfig = LearnerConfig(), *,
                  lora: LoraSettings | None = LoraSettings()):
         self.config = config
+        self.algorithm = config.algorithm
+        if self.algorithm.uses_critic and lora is None:
+            raise ConfigError("a critic (estimator 'gae') needs LoRA: the critic is a second "
+                              "adapter on the actor's base; full-parameter critics are not "
+                              "implemented")
         self.device = distributed.init_distributed()
         torch.manual_seed(config.seed)  # same LoRA init on every rank
         model, self.tokenizer = load_policy(model_dir, lora=lora)
-        self.model = apply_fsdp(model.to(self.device))
+        if self.algorithm.uses_critic:
+            critic.add_critic(model, lora)
+            self.model = critic.apply_fsdp_actor_critic(model.to(self.device))
+        else:
+            self.model = apply_fsdp(model.to(self.device))
+        self.reference = None  # full fine-tuning: a frozen copy; LoRA: the disabled adapter
+        if self.algorithm.uses_reference and lora is None:
+            self.reference = apply_fsdp(load_policy(model_dir, lora=None)[0].to(self.device))
+            self.reference.requires_grad_(False)
         for module in self.model.modules():  # the loss is already a global mean: sum over ranks
             if isinstance(module, FSDPModule):
                 module.set_gradient_divide_factor(1.0)
                 module.set_force_sum_reduction_for_comms(True)  # plain SUM: gloo has no PREMUL_SUM
         self.params = [p for p in self.model.parameters() if p.requires_grad]
-        self.optimizer = torch.optim.AdamW(self.params, lr=config.lr, betas=config.betas,
-                                           eps=config.adam_eps, weight_decay=config.weight_decay)
+        self.optimizer = torch.optim.AdamW(self._param_groups(), lr=config.lr,
+                                           betas=config.betas, eps=config.adam_eps,
+                                           weight_decay=config.weight_decay)
         pad_id = self.tokenizer.pad_token_id
         self.pad_id = int(pad_id if pad_id is not None else 0)
         self.policy_version = 0
+        self.steps = 0  # train_step calls, critic warm-up included
+
+    def _param_groups(self) -> list[dict]:
+        if not self.algorithm.uses_critic:
+            return [{"params": self.params}]
+        names = dict(self.model.named_parameters())
+        critic_names = {n for n in names if critic.is_critic_parameter(n)}
+        actor = [p for n, p in names.items() if p.requires_grad and n not in critic_names]
+        value = [p for n, p in names.items() if p.requires_grad and n in critic_names]
+        return [{"params": actor},
+                {"params": value, "lr": self.config.critic_lr or self.config.lr}]
+
+    # -- scoring ------------------------------------------------------------------------------
+
+    def _forward(self, model, batch: MicroBatch):
+        return model(input_ids=batch.input_ids.to(self.device),
+                     attention_mask=batch.attention_mask.to(self.device),
+                     position_ids=batch.position_ids.to(self.device), use_cache=False)
+
+    def _processed(self, logits: torch.Tensor, batch: MicroBatch) -> torch.Tensor:
+        """Logits of the distribution each target was sampled from, [B, L-1, V]."""
+        s = batch.sampling
+        return process_logits(logits[:, :-1], temperature=s.temperature, top_k=s.top_k,
+                              top_p=s.top_p)
+
+    def _gather(self, processed: torch.Tensor, batch: MicroBatch) -> torch.Tensor:
+        """Floored logprobs of the targets under `processed` logits, [B, L-1]."""
+        logp = processed.log_softmax(dim=-1).gather(
+            -1, batch.targets.to(self.device).unsqueeze(-1)).squeeze(-1)
+        return logp.clamp(min=LOGPROB_FLOOR)
 
     def score(self, batch: MicroBatch) -> torch.Tensor:
-        """Logprobs of the targets of `batch` under its sampling setting (floored), [B, L-1].
-        A forward of the sharded model: every rank must call it the same number of times."""
-        out = self.model(input_ids=batch.input_ids.to(self.device),
-                         attention_mask=batch.attention_mask.to(self.device),
-                         position_ids=batch.position_ids.to(self.device), use_cache=False)
-        s = batch.sampling
-        logp = sampled_logprobs(out.logits[:, :-1], batch.targets.to(self.device),
-                                temperature=s.temperature, top_k=s.top_k, top_p=s.top_p)
-        return logp.clamp(min=LOGPROB_FLOOR)  # [B, L-1]
+        """Logprobs of the targets of `batch` under the policy (floored), [B, L-1]. A forward
+        of the sharded model: every rank must call it the same number of times."""
+        return self._gather(self._processed(self._forward(self.model, batch).logits, batch), batch)
 
-    def micro_batches(self, groups: list[TrajectoryGroup]) -> list[MicroBatch]:
-        """This rank's micro-batches of `groups`, padded with idle ones to the max over ranks."""
-        mine = groups[distributed.rank()::distributed.world_size()]
-        batches = make_micro_batches(mine, max_tokens=self.config.max_tokens_per_micro_batch,
-                                     pad_id=self.pad_id,
-                                     scale_by_std=self.config.scale_advantages_by_std)
+    @torch.no_grad()
+    def _reference_logprobs(self, batch: MicroBatch) -> torch.Tensor:
+        if self.reference is not None:
+            logits = self._forward(self.reference, batch).logits
+        else:
+            with critic.disabled_adapters(self.model):
+                logits = self._forward(self.model, batch).logits
+        return self._gather(self._processed(logits, batch), batch)
+
+    def _values(self, batch: MicroBatch) -> torch.Tensor:
+        """Critic values of the states that predict each target, [B, L-1]."""
+        return critic.values(self.model, batch.input_ids.to(self.device),
+                             batch.attention_mask.to(self.device),
+                             batch.position_ids.to(self.device))[:, :-1]
+
+    # -- the step -----------------------------------------------------------------------------
+
+    def micro_batches(self, groups: list[TrajectoryGroup], outcomes=None) -> list[MicroBatch]:
+        """This rank's micro-batches of `groups`, padded with idle ones to the max over ranks.
+        `outcomes`: (rewards, advantages) of `groups` (default: `outcome_advantages`)."""
+        outcomes = outcomes or outcome_advantages(groups, self.algorithm)
+        rank, world = distributed.rank(), distributed.world_size()
+        mine = (groups[rank::world], outcomes[0][rank::world], outcomes[1][rank::world])
+        batches = make_micro_batches(mine[0], max_tokens=self.config.max_tokens_per_micro_batch,
+                                     pad_id=self.pad_id, algorithm=self.algorithm,
+                                     outcomes=(mine[1], mine[2]))
         most = int(distributed.all_reduce_max(torch.tensor([len(batches)]))[0])
         return batches + [idle_micro_batch(pad_id=self.pad_id)] * (most - len(batches))
 
     def train_step(self, groups: list[TrajectoryGroup]) -> dict[str, float]:
-        """One optimizer step on `groups` (the same list on every rank); returns the metrics."""
+        """One step on `groups` (the same list on every rank): `mini_batches` optimizer steps
+        (only the critic's during warm-up); returns the metrics."""
         if not groups:
             raise MilesError("train_step needs at least one trajectory group")
-        batches = self.micro_batches(groups)
-        counts = torch.tensor([float(sum(b.num_tokens for b in batches)),
-                               float(sum(b.rewards.sum() for b in batches)),
-                               float(sum(len(b.sample_ids) for b in batches))],
-                              dtype=torch.float64)
-        tokens, reward_sum, samples = distributed.all_reduce_sum(counts).tolist()
-
+        rewards, advantages = outcome_advantages(groups, self.algorithm)
+        indices = split_evenly(list(range(len(groups))), self.algorithm.mini_batches)
+        slices = [self.micro_batches([groups[i] for i in part],
+                                     ([rewards[i] for i in part], [advantages[i] for i in part]))
+                  for part in indices]
+        limits = [max(max_new_tokens(groups[i]) for i in part) for part in indices]
+        prepared = self._prepare(slices)
+        train_actor = self.steps >= self.algorithm.critic_warmup_steps
         self.model.train()
         sums: dict[str, torch.Tensor] = {}
-        for batch in batches:
-            add_metrics(sums, self._accumulate(batch, normaliser=tokens))
-        grad_norm = self._step()
-        return self._reduce(sums, grad_norm=grad_norm, tokens=tokens,
-                            reward_mean=reward_sum / samples)
+        norms = []
+        for batches, extras, limit in zip(slices, prepared, limits):
+            normalisers = self._normalisers(batches, limit)
+            for batch, extra in zip(batches, extras):
+                add_metrics(sums, self._accumulate(batch, extra, normalisers, train_actor))
+            norms.append(self._step())
+        self.steps += 1
+        if train_actor and any(math.isfinite(n) for n in norms):
+            self.policy_version += 1
+        return self._reduce(sums, norms, slices)
 
-    def _accumulate(self, batch: MicroBatch, *, normaliser: float) -> dict[str, torch.Tensor]:
-        logp = self.score(batch)  # [B, L-1]
-        proximal_logp = logp.detach()  # one update per step: proximal == current weights
-        c = self.config
-        loss, metrics = policy_loss(
-            logp, proximal_logp, batch.behaviour_logprobs.to(self.device),
-            batch.advantages.to(self.device).unsqueeze(1), batch.response_mask.to(self.device),
-            normaliser=normaliser, clip_low=c.clip_low, clip_high=c.clip_high, is_cap=c.is_cap)
+    def _normalisers(self, batches: list[MicroBatch], limit: int) -> Normalisers:
+        """Token and row counts of a slice over all ranks; `limit` is its max_new_tokens."""
+        local = torch.tensor([[b.num_tokens, int(b.response_mask.any(dim=-1).sum())]
+                              for b in batches], dtype=torch.float64).sum(dim=0)
+        tokens, rows = distributed.all_reduce_sum(local).tolist()
+        return Normalisers(tokens=tokens, rows=rows, constant=float(limit))
+
+    @torch.no_grad()
+    def _prepare(self, slices: list[list[MicroBatch]]) -> list[list[Prepared]]:
+        """Everything scored before the first update of the step (see the module docstring)."""
+        a = self.algorithm
+        out = []
+        for batches in slices:
+            extras = []
+            for batch in batches:
+                extra = Prepared()
+                if a.mini_batches > 1:
+                    extra.proximal = self.score(batch)
+                if a.uses_reference:
+                    extra.reference = self._reference_logprobs(batch)
+                if a.uses_critic:
+                    self._prepare_gae(batch, extra)
+                extras.append(extra)
+            out.append(extras)
+        if a.uses_critic:
+            self._whiten([e for extras in out for e in extras], slices)
+        return out
+
+    def _prepare_gae(self, batch: MicroBatch, extra: Prepared) -> None:
+        a = self.algorithm
+        mask = batch.response_mask.to(self.device)  # [B, L-1]
+        extra.old_values = self._values(batch)  # [B, L-1]
+        penalty = None
+        if a.kl_in_reward:  # InstructGPT: k1 KL of the sampling policy to the reference
+            penalty = kl_estimate(batch.behaviour_logprobs.to(self.device), extra.reference,
+                                  "k1")
+        rewards = token_rewards(batch.rewards.to(self.device), mask, penalty, a.loss.kl_coef)
+        extra.advantages, extra.returns = gae_advantages(rewards, extra.old_values, mask,
+                                                         gamma=a.gamma, lam=a.lam)
+
+    def _whiten(self, extras: list[Prepared], slices: list[list[MicroBatch]]) -> None:
+        """GAE advantages normalised by their mean and std over the global batch."""
+        masks = [b.response_mask.to(self.device) for batches in slices for b in batches]
+        stats = torch.zeros(3, dtype=torch.float64)
+        for extra, mask in zip(extras, masks):
+            values = extra.advantages[mask].double()
+            stats += torch.stack([values.sum(), (values ** 2).sum(),
+                                  torch.tensor(float(values.numel()), dtype=torch.float64)]).cpu()
+        total, squares, count = distributed.all_reduce_sum(stats).tolist()
+        mean = total / max(count, 1.0)
+        std = math.sqrt(max(squares / max(count, 1.0) - mean ** 2, 0.0))
+        for extra, mask in zip(extras, masks):
+            extra.advantages = torch.where(mask, (extra.advantages - mean) / (std + 1e-8), 0.0)
+
+    def _accumulate(self, batch: MicroBatch, extra: Prepared, normalisers: Normalisers,
+                    train_actor: bool) -> dict[str, torch.Tensor]:
+        mask = batch.response_mask.to(self.device)  # [B, L-1]
+        metrics: dict[str, torch.Tensor] = {}
+        loss = torch.zeros((), device=self.device)
+        if train_actor:
+            loss, metrics = self._policy_loss(batch, extra, normalisers, mask)
+        if self.algorithm.uses_critic:
+            value_loss, value_metrics = self._value_loss(batch, extra, normalisers, mask)
+            loss = loss + self.algorithm.value_coef * value_loss
+            metrics.update(value_metrics)
         loss.backward()
         return {key: value.cpu() for key, value in metrics.items()}
 
+    def _policy_loss(self, batch: MicroBatch, extra: Prepared, normalisers: Normalisers,
+                     mask: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        settings = self.algorithm.loss
+        processed = self._processed(self._forward(self.model, batch).logits, batch)
+        logp = self._gather(processed, batch)  # [B, L-1]
+        entropy = entropy_from_logits(processed if settings.entropy_coef  # [B, L-1]
+                                      else processed.detach())  # 0: measured only
+        proximal = extra.proximal if extra.proximal is not None else logp.detach()
+        advantages = extra.advantages if extra.advantages is not None else \
+            batch.advantages.to(self.device).unsqueeze(1)  # [B, L-1] or [B, 1]
+        return compute_policy_loss(
+            logp, proximal, batch.behaviour_logprobs.to(self.device), advantages, mask,
+            normalisers=normalisers, settings=settings, ref_logp=extra.reference,
+            entropy=entropy)
+
+    def _value_loss(self, batch: MicroBatch, extra: Prepared, normalisers: Normalisers,
+                    mask: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        new_values = self._values(batch)  # [B, L-1]
+        per_token, clipped = clipped_value_loss(new_values, extra.old_values, extra.returns,
+                                                clip=self.algorithm.value_clip)
+        loss = aggregate_token_mean(per_token, mask, normalisers)
+
+        def masked_sum(values: torch.Tensor) -> torch.Tensor:
+            return torch.where(mask, values.detach().float(), 0.0).sum()
+
+        return loss, {"value_tokens": mask.sum().float(),
+                      "value_loss_sum": masked_sum(per_token),
+                      "value_clipped": masked_sum(clipped),
+                      "value_sum": masked_sum(new_values),
+                      "return_sum": masked_sum(extra.returns)}
+
     def _step(self) -> float:
-        """Clip, step, zero the grads; returns the pre-clip global gradient norm."""
+        """Clip, step, zero the grads; returns the pre-clip global gradient norm (a
+        non-finite one skips the step)."""
         norm = torch.nn.utils.clip_grad_norm_(self.params, self.config.grad_clip)
         norm = float(norm.full_tensor() if isinstance(norm, DTensor) else norm)
         if math.isfinite(norm):
             self.optimizer.step()
-            self.policy_version += 1
         self.optimizer.zero_grad(set_to_none=True)
         return norm
 
-    def _reduce(self, sums: dict[str, torch.Tensor], *, grad_norm: float, tokens: float,
-                reward_mean: float) -> dict[str, float]:
+    def _reduce(self, sums: dict[str, torch.Tensor], norms: list[float],
+                slices: list[list[MicroBatch]]) -> dict[str, float]:
+        batches = [b for batches in slices for b in batches]
+        counts = torch.tensor([float(sum(b.rewards.sum() for b in batches)),
+                               float(sum(len(b.sample_ids) for b in batches)),
+                               float(sum(b.num_tokens for b in batches))], dtype=torch.float64)
+        reward_sum, samples, tokens = distributed.all_reduce_sum(counts).tolist()
         keys = sorted(k for k in sums if k not in MAX_METRICS)
-        total = distributed.all_reduce_sum(torch.stack([sums[k].double() for k in keys]))
-        s = dict(zip(keys, total.tolist()))
-        weight_max = distributed.all_reduce_max(sums["is_weight_max"].double().reshape(1))
-        n = max(s["tokens"], 1.0)
-        return {
-            "trainer/loss": s["loss_sum"] / n,
-            "trainer/clip_frac": s["clipped"] / n,
-            "trainer/kl_behaviour": s["kl_behaviour_sum"] / n,
-            "trainer/is_weight_mean": s["is_weight_sum"] / n,
-            "trainer/is_weight_max": float(weight_max[0]),
-            "trainer/is_truncated_frac": s["is_truncated"] / n,
-            "trainer/mismatch": s["mismatch_sum"] / n,
-            "trainer/grad_norm": grad_norm,
-            "trainer/tokens": tokens,
-            "trainer/reward_mean": reward_mean,
-            "trainer/skipped_step": float(not math.isfinite(grad_norm)),
-            "trainer/policy_version": float(self.policy_version),
-        }
+        s = dict(zip(keys, distributed.all_reduce_sum(
+            torch.stack([sums[k].double() for k in keys])).tolist())) if keys else {}
+        out = {"trainer/grad_norm": max(norms), "trainer/tokens": tokens,
+               "trainer/reward_mean": reward_sum / max(samples, 1.0),
+               "trainer/skipped_step": float(not all(math.isfinite(n) for n in norms)),
+               "trainer/policy_version": float(self.policy_version)}
+        if "tokens" in s:
+            out.update(policy_metrics(s, sums))
+        if "value_tokens" in s:
+            n = max(s["value_tokens"], 1.0)
+            out.update({"trainer/value_loss": s["value_loss_sum"] / n,
+                        "trainer/value_clip_frac": s["value_clipped"] / n,
+                        "trainer/value_mean": s["value_sum"] / n,
+                        "trainer/return_mean": s["return_sum"] / n})
+        return out
 
     def state_dict(self) -> dict:
         """Trainable weights (sharded DTensors for `torch.distributed.checkpoint`), optimizer
@@ -215,7 +391,7 @@ class Learner:
             rng["cuda"] = torch.cuda.get_rng_state()
         return {"model": {k: v for k, v in weights.items() if k in names},
                 "optimizer": get_optimizer_state_dict(self.model, self.optimizer),
-                "rng": rng, "policy_version": self.policy_version}
+                "rng": rng, "policy_version": self.policy_version, "steps": self.steps}
 
     def load_state_dict(self, state: dict) -> None:
         """Restore what `state_dict` returned (possibly after a checkpoint round trip)."""
@@ -226,7 +402,30 @@ class Learner:
         if "cuda" in state["rng"] and torch.cuda.is_available():
             torch.cuda.set_rng_state(state["rng"]["cuda"])
         self.policy_version = int(state["policy_version"])
+        self.steps = int(state.get("steps", self.policy_version))
 
     def export_adapter(self, out_dir: str | Path) -> Path | None:
         """Write the LoRA adapter in peft's format (rank 0 writes; every rank must call)."""
         return export_adapter(self.model, out_dir)
+
+
+def policy_metrics(s: dict[str, float], sums: dict[str, torch.Tensor]) -> dict[str, float]:
+    """Per-token means of the summed `compute_policy_loss` metrics `s` (over all ranks)."""
+    n = max(s["tokens"], 1.0)
+    weight_max = distributed.all_reduce_max(sums["is_weight_max"].double().reshape(1))
+    out = {
+        "trainer/loss": s["loss_sum"] / n,
+        "trainer/clip_frac": s["clipped"] / n,
+        "trainer/kl_behaviour": s["kl_behaviour_sum"] / n,
+        "trainer/kl_mismatch": s["kl_mismatch_sum"] / n,
+        "trainer/is_weight_mean": s["is_weight_sum"] / n,
+        "trainer/is_weight_max": float(weight_max[0]),
+        "trainer/is_truncated_frac": s["is_truncated"] / n,
+        "trainer/is_masked_frac": s["is_masked"] / n,
+        "trainer/mismatch": s["mismatch_sum"] / n,
+    }
+    if "kl_ref_sum" in s:
+        out["trainer/kl_ref"] = s["kl_ref_sum"] / n
+    if "entropy_sum" in s:
+        out["trainer/entropy"] = s["entropy_sum"] / n
+    return out

@@ -1,7 +1,9 @@
 """The trainer loop: trajectory groups in, weight versions out, checkpoints on the way.
 
 Rank 0 talks to the bus; every rank trains. Each step rank 0 collects `groups_per_step` groups
-whose lag is within `max_staleness` (staler ones are dropped and counted; they stay in the log),
+whose lag is within `max_staleness` (staler ones are dropped and counted; they stay in the log;
+with DAPO's dynamic sampling, groups whose rewards are all equal are filtered the same way and
+the shortfall is read from the stream),
 ships their wire bytes to the other ranks (`broadcast_bytes`, no pickle), all ranks run the
 learner's step in a worker thread (the event loop keeps Kafka heartbeats alive), then rank 0
 writes the new adapter to the weight store and announces it on the control topic, reports
@@ -57,6 +59,11 @@ class LoopConfig:
         for name in ("max_staleness", "max_steps", "checkpoint_every"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"trainer.{name} must be >= 0, got {getattr(self, name)}")
+
+
+def uniform_rewards(group: TrajectoryGroup) -> bool:
+    """All samples of `group` got the same reward (no learning signal for group baselines)."""
+    return len({s.reward for s in group.samples}) <= 1
 
 
 def pack_step(groups: list[bytes], *, checkpoint: bool, meta: dict) -> bytes:
@@ -155,10 +162,10 @@ class TrainerLoop:
                                           expected=TrajectoryGroup)
                 offsets = await self._resume(consumer)
                 while not stop.is_set() and not self._done():
-                    groups, dropped = await self._collect(reader, consumer, stop)
+                    groups, skipped = await self._collect(reader, consumer, stop)
                     if groups is None:
                         break
-                    offsets = await self._train(groups, dropped, consumer, offsets)
+                    offsets = await self._train(groups, skipped, consumer, offsets)
                 await self._finish(consumer, offsets)
         finally:
             await self._blocking(self.runner.step, b"")  # followers stop
@@ -208,15 +215,16 @@ class TrainerLoop:
     # -- collect ------------------------------------------------------------------------------
 
     async def _collect(self, reader: DecodingConsumer, consumer, stop: asyncio.Event):
-        """`groups_per_step` fresh groups from the buffer and the bus; None if stopped first."""
+        """`groups_per_step` fresh groups from the buffer and the bus, and the groups skipped on
+        the way ({"dropped": stale, "filtered": equal rewards}); groups None if stopped first."""
         groups: list[Decoded] = []
-        dropped: list[Decoded] = []
+        skipped: dict[str, list[Decoded]] = {"dropped": [], "filtered": []}
         last_beat = 0.0
         while len(groups) < self.config.groups_per_step:
             if not self.buffer:
                 if stop.is_set():
                     self.buffer.extendleft(reversed(groups))
-                    return None, dropped
+                    return None, skipped
                 self.buffer.extend(await reader.poll(timeout_s=0.2))
                 self.counts["trainer/dead_lettered"] = reader.counts["bus/dlq_records"]
                 if time.monotonic() - last_beat > self.config.heartbeat_s:
@@ -226,15 +234,17 @@ class TrainerLoop:
             item = self.buffer.popleft()
             lag = item.value.lag(self.learner.policy_version)
             if lag > self.config.max_staleness:
-                dropped.append(item)
+                skipped["dropped"].append(item)
+            elif self.learner.algorithm.dynamic_sampling and uniform_rewards(item.value):
+                skipped["filtered"].append(item)
             else:
                 self.lags[lag] += 1
                 groups.append(item)
-        return groups, dropped
+        return groups, skipped
 
     # -- train --------------------------------------------------------------------------------
 
-    async def _train(self, groups: list[Decoded], dropped: list[Decoded], consumer,
+    async def _train(self, groups: list[Decoded], skipped: dict[str, list[Decoded]], consumer,
                      offsets: dict[TopicPartition, int]) -> dict[TopicPartition, int]:
         began = time.perf_counter()
         self.step += 1
@@ -243,13 +253,14 @@ class TrainerLoop:
             self.step % self.config.checkpoint_every == 0
         meta = {"step": self.step, "offsets": {f"{tp.topic}:{tp.partition}": o
                                                for tp, o in offsets.items()}}
-        self._write_ledger(groups, dropped)
+        self._write_ledger(groups, skipped)
         payload = pack_step([g.record.value for g in groups], checkpoint=checkpoint, meta=meta)
         metrics, record = await self._blocking(self.runner.step, payload)
         if record is not None:
             await self._announce(record)
         self.counts["trainer/groups_trained"] += len(groups)
-        self.counts["trainer/dropped_stale"] += len(dropped)
+        self.counts["trainer/dropped_stale"] += len(skipped["dropped"])
+        self.counts["trainer/filtered_groups"] += len(skipped["filtered"])
         self._write_metrics(metrics, groups, time.perf_counter() - began)
         await self._heartbeat(consumer)
         return offsets
@@ -283,10 +294,10 @@ class TrainerLoop:
 
     # -- reporting ----------------------------------------------------------------------------
 
-    def _write_ledger(self, groups: list[Decoded], dropped: list[Decoded]) -> None:
+    def _write_ledger(self, groups: list[Decoded], skipped: dict[str, list[Decoded]]) -> None:
         entry = {"step": self.step, "policy_version": self.learner.policy_version,
                  "trained": [g.value.group_id for g in groups],
-                 "dropped": [g.value.group_id for g in dropped]}
+                 **{kind: [g.value.group_id for g in items] for kind, items in skipped.items()}}
         with open(self.out_dir / "ledger.jsonl", "a") as f:
             f.write(json.dumps(entry) + "\n")
 

@@ -1,7 +1,7 @@
 """One train step + adapter export on fixed synthetic groups, for the FSDP rank-count test.
 
 Run under `torchrun --nproc_per_node N` (N ranks) or plain `python` (one self-initialised rank):
-    fsdp_worker.py MODEL_DIR OUT_DIR
+    fsdp_worker.py MODEL_DIR OUT_DIR ALGO
 The groups reach ranks > 0 through `broadcast_bytes` (wire encoding). Rank 0 writes
 OUT_DIR/metrics.json and OUT_DIR/adapter/ (peft format).
 """
@@ -10,7 +10,9 @@ import json
 import sys
 from pathlib import Path
 
+from miles.config import build
 from miles.protocol import decode, encode
+from miles.rl.algorithm import AlgorithmConfig, preset
 from miles.trainer import distributed
 from miles.trainer.learner import Learner, LearnerConfig
 from miles.trainer.model import LoraSettings
@@ -40,8 +42,9 @@ def shipped_groups() -> list:
     return received
 
 
-def main(model_dir: str, out_dir: str) -> None:
-    config = LearnerConfig(lr=1e-3, max_tokens_per_micro_batch=40, seed=0)
+def main(model_dir: str, out_dir: str, algo: str) -> None:
+    config = LearnerConfig(lr=1e-3, max_tokens_per_micro_batch=40, seed=0,
+                           algorithm=build(AlgorithmConfig, preset(algo)))
     learner = Learner(model_dir, config, lora=LoraSettings(r=4, alpha=8))
     metrics = learner.train_step(shipped_groups())
     learner.export_adapter(Path(out_dir) / "adapter")
@@ -55,4 +58,4 @@ def main(model_dir: str, out_dir: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    main(sys.argv[1], sys.argv[2], sys.argv[3])

@@ -21,14 +21,14 @@ WORKER = Path(__file__).with_name("fsdp_worker.py")
 WORKER_TIMEOUT_S = 280  # generous: the 2 CPU cores may be shared with other jobs
 
 
-def run_worker(model_dir: Path, out_dir: Path, ranks: int | None) -> dict:
+def run_worker(model_dir: Path, out_dir: Path, ranks: int | None, algo: str) -> dict:
     """Run the worker on `ranks` torchrun ranks (None: plain python, one self-made rank)."""
     out_dir.mkdir()
     launcher = ([sys.executable, "-m", "torch.distributed.run", "--standalone",
                  f"--nproc_per_node={ranks}"] if ranks else [sys.executable])
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1",
            "CUDA_VISIBLE_DEVICES": ""}
-    done = subprocess.run([*launcher, str(WORKER), str(model_dir), str(out_dir)], env=env,
+    done = subprocess.run([*launcher, str(WORKER), str(model_dir), str(out_dir), algo], env=env,
                           cwd=REPO, capture_output=True, text=True, timeout=WORKER_TIMEOUT_S)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     return json.loads((out_dir / "metrics.json").read_text())
@@ -36,17 +36,19 @@ def run_worker(model_dir: Path, out_dir: Path, ranks: int | None) -> dict:
 
 @pytest.mark.slow
 @pytest.mark.timeout(2 * WORKER_TIMEOUT_S + 60)
-def test_two_ranks_match_one_rank(tmp_path):
+@pytest.mark.parametrize("algo", ["grpo", "ppo"])  # ppo: GAE whitening and value loss too
+def test_two_ranks_match_one_rank(tmp_path, algo):
     model_dir = build_tiny_model(tmp_path / "tiny", hidden_size=64, layers=2)
-    one = run_worker(model_dir, tmp_path / "one", ranks=None)
-    two = run_worker(model_dir, tmp_path / "two", ranks=2)
+    one = run_worker(model_dir, tmp_path / "one", ranks=None, algo=algo)
+    two = run_worker(model_dir, tmp_path / "two", ranks=2, algo=algo)
     assert (one["world_size"], two["world_size"]) == (1, 2)
     assert two["micro_batches"] < one["micro_batches"]  # the work was split
     for key in ("trainer/tokens", "trainer/is_truncated_frac"):
         assert two[key] == pytest.approx(one[key], abs=1e-9), key
     for key in ("trainer/loss", "trainer/grad_norm", "trainer/is_weight_mean",
                 "trainer/is_weight_max", "trainer/kl_behaviour", "trainer/mismatch",
-                "trainer/reward_mean"):
+                "trainer/reward_mean", *(("trainer/value_loss", "trainer/return_mean")
+                                         if algo == "ppo" else ())):
         assert two[key] == pytest.approx(one[key], rel=1e-5, abs=1e-6), key
     one_adapter = load_file(tmp_path / "one" / "adapter" / "adapter_model.safetensors")
     two_adapter = load_file(tmp_path / "two" / "adapter" / "adapter_model.safetensors")

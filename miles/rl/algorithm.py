@@ -1,0 +1,140 @@
+"""What the trainer computes from a batch of trajectory groups, and the named presets.
+
+`AlgorithmConfig` chooses the advantage estimator, the policy loss (`LossSettings`: objective,
+aggregation, behaviour correction, KL and entropy terms), the critic settings of PPO and the
+DAPO batch pieces. A preset is a partial config (a mapping of field overrides), applied as the
+lowest config layer (`miles train --algo dapo --set learner.algorithm.loss.clip_high=0.3` starts
+from DAPO and overrides one field). `miles algorithms` prints `PRESETS`.
+
+Simplifications:
+- KL to the reference as a reward penalty is per token and needs per-token rewards, so it is
+  offered with the critic (`estimator="gae"`, the InstructGPT recipe); critic-free estimators use
+  the KL as a loss term (as GRPO does).
+- Presets differ from their papers where a paper's setting only matters at a scale we cannot
+  test here; each summary says so. No preset uses a KL term by default: on verifiable rewards
+  DAPO and Dr. GRPO found it unnecessary, and it costs a reference forward per micro-batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from miles.errors import ConfigError
+from miles.rl.advantages import ADVANTAGE_ESTIMATORS
+from miles.rl.losses import LossSettings
+
+ESTIMATORS = (*ADVANTAGE_ESTIMATORS, "gae")
+
+
+@dataclass(frozen=True, kw_only=True)
+class AlgorithmConfig:
+    """How a batch of groups becomes a loss (see the presets for coherent combinations)."""
+
+    name: str = "grpo"  # the preset this config started from (reported in metrics and report)
+    estimator: str = "grpo"  # advantages: grpo, dr_grpo, rloo, reinforce_pp, or gae (critic)
+    loss: LossSettings = field(default_factory=LossSettings)  # objective, aggregation, IS, KL
+    mini_batches: int = 1  # optimizer steps per batch; > 1 recomputes proximal logprobs first
+    kl_in_reward: bool = False  # gae only: loss.kl_coef * k1 KL per token enters the reward
+    gamma: float = 1.0  # gae discount
+    lam: float = 0.95  # gae lambda
+    value_coef: float = 0.5  # weight of the critic's value loss
+    value_clip: float = 0.2  # clip of new values around the pre-update values (0: off)
+    critic_warmup_steps: int = 0  # first steps train only the critic
+    dynamic_sampling: bool = False  # DAPO: drop groups whose rewards are all equal, refill
+    overlong_buffer: int = 0  # DAPO: responses longer than max_new_tokens - this get penalised
+    overlong_penalty: float = 1.0  # DAPO: penalty at max_new_tokens, ramping linearly from 0
+    mask_truncated: bool = False  # responses cut at max_new_tokens get no loss
+
+    def __post_init__(self) -> None:
+        checks = [
+            (self.estimator in ESTIMATORS,
+             f"algorithm.estimator must be one of {list(ESTIMATORS)}, got {self.estimator!r}"),
+            (self.mini_batches >= 1,
+             f"algorithm.mini_batches must be >= 1, got {self.mini_batches}"),
+            (not self.kl_in_reward or self.estimator == "gae",
+             "algorithm.kl_in_reward needs estimator='gae' (per-token rewards)"),
+            (0 < self.gamma <= 1, f"algorithm.gamma must be in (0, 1], got {self.gamma}"),
+            (0 <= self.lam <= 1, f"algorithm.lam must be in [0, 1], got {self.lam}"),
+            (self.value_coef > 0, f"algorithm.value_coef must be > 0, got {self.value_coef}"),
+            (self.value_clip >= 0, f"algorithm.value_clip must be >= 0, got {self.value_clip}"),
+            (self.critic_warmup_steps >= 0, "algorithm.critic_warmup_steps must be >= 0, "
+             f"got {self.critic_warmup_steps}"),
+            (self.overlong_buffer >= 0,
+             f"algorithm.overlong_buffer must be >= 0, got {self.overlong_buffer}"),
+            (self.overlong_penalty >= 0,
+             f"algorithm.overlong_penalty must be >= 0, got {self.overlong_penalty}"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise ConfigError(message)
+
+    @property
+    def uses_critic(self) -> bool:
+        return self.estimator == "gae"
+
+    @property
+    def uses_reference(self) -> bool:
+        return self.loss.kl_coef > 0
+
+
+@dataclass(frozen=True)
+class Preset:
+    summary: str  # what it computes, in a line or two
+    paper: str  # where it comes from
+    overrides: dict  # AlgorithmConfig fields (nested `loss` as a dict)
+
+
+PRESETS: dict[str, Preset] = {
+    "ppo": Preset(
+        "GAE advantages from a learned critic (LoRA adapter + value head on the actor's base), "
+        "whitened over the batch; PPO-clip actor loss, clipped value loss.",
+        "Schulman et al. 2017 (PPO); Ouyang et al. 2022 (InstructGPT)",
+        {"estimator": "gae", "lam": 0.95, "gamma": 1.0, "value_clip": 0.2,
+         "loss": {"clip_low": 0.2, "clip_high": 0.2}}),
+    "grpo": Preset(
+        "Group-normalised outcome reward (mean and std over the n samples of a prompt); "
+        "PPO-clip, token mean over the batch (the paper's per-sequence mean and KL loss are "
+        "options: loss.aggregation, loss.kl_coef).",
+        "Shao et al. 2024 (DeepSeekMath)",
+        {"estimator": "grpo", "loss": {"clip_low": 0.2, "clip_high": 0.28}}),
+    "dr_grpo": Preset(
+        "Group-centred reward without the std division; per-sequence token sums over a constant "
+        "(max_new_tokens), so neither length nor difficulty reweights the gradient.",
+        "Liu et al. 2025 (Understanding R1-Zero-like training)",
+        {"estimator": "dr_grpo", "loss": {"aggregation": "seq_sum_constant"}}),
+    "dapo": Preset(
+        "GRPO advantages; asymmetric clip (0.2 / 0.28), token mean, dynamic sampling (groups "
+        "with equal rewards dropped and refilled), overlong reward shaping.",
+        "Yu et al. 2025 (DAPO)",
+        {"estimator": "grpo", "dynamic_sampling": True, "overlong_buffer": 2,
+         "overlong_penalty": 1.0, "loss": {"clip_low": 0.2, "clip_high": 0.28}}),
+    "gspo": Preset(
+        "GRPO advantages; sequence-level ratio (geometric mean of token ratios) clipped at "
+        "3e-4 / 4e-4, sequence mean of token means.",
+        "Zheng et al. 2025 (GSPO)",
+        {"estimator": "grpo", "mini_batches": 2,
+         "loss": {"objective": "gspo", "aggregation": "seq_mean_token_mean"}}),
+    "cispo": Preset(
+        "GRPO advantages; REINFORCE on every token weighted by the detached, clipped IS ratio "
+        "(upper bound only), token mean.",
+        "MiniMax 2025 (MiniMax-M1)",
+        {"estimator": "grpo", "mini_batches": 2,
+         "loss": {"objective": "cispo", "clip_low": 1.0, "clip_high": 1.0}}),
+    "rloo": Preset(
+        "Leave-one-out baseline (mean of the other n - 1 rewards), no std scaling; PPO-clip, "
+        "token mean.",
+        "Ahmadian et al. 2024 (Back to basics)",
+        {"estimator": "rloo", "loss": {"clip_low": 0.2, "clip_high": 0.2}}),
+    "reinforce_pp": Preset(
+        "Outcome reward normalised by the mean and std of the whole batch (no per-prompt "
+        "baseline); PPO-clip, token mean (the paper's KL-in-reward is available with the critic only here).",
+        "Hu 2025 (REINFORCE++)",
+        {"estimator": "reinforce_pp", "loss": {"clip_low": 0.2, "clip_high": 0.2}}),
+}
+
+
+def preset(name: str) -> dict:
+    """The overrides of preset `name`, with `name` itself recorded."""
+    if name not in PRESETS:
+        raise ConfigError(f"algo must be one of {sorted(PRESETS)}, got {name!r}")
+    return {"name": name, **PRESETS[name].overrides}
