@@ -48,7 +48,7 @@ for step in range(a.steps):
             samples.append(Sample(response_token_ids=ids, logprobs=c.logprobs, versions=np.full(len(ids),L.policy_version,dtype=np.int32), reward=float(txt.strip()==p.answer), finish_reason=c.finish_reason))
         groups.append(TrajectoryGroup(group_id=str(i), task_id=str(i), prompt_token_ids=np.array(eng.encode(p.prompt),dtype=np.int32), samples=samples, producer_id="p", engine="hf", vocab_size=eng.vocab_size, sampling=sp.as_wire(), created_at=0.0))
     m=L.train_step(groups)
-    L.export_adapter(ADAPTER_DIR); eng.load_adapter(ADAPTER_DIR, L.policy_version)
+    L.export_weights(ADAPTER_DIR); eng.load_adapter(ADAPTER_DIR, L.policy_version)
     if (step+1)%20==0:
         t=time.time(); acc.append((step+1, round(greedy_accuracy(eng,test),3), round(m["trainer/reward_mean"],3))); ev+=time.time()-t
 print(vars(a), "time", round(time.time()-t0-ev,1), acc, flush=True)

@@ -25,7 +25,7 @@ import shutil
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import yaml
@@ -58,7 +58,7 @@ CACHE = Path.home() / ".cache" / "miles" / "demo"
 class DemoConfig:
     bus: str = "embedded://"
     out_dir: Path = Path("runs/demo")
-    run: str = "demo"
+    run: str = ""  # topics are miles.RUN.*; "": "demo" embedded, "demo-<UTC time>" on Kafka
     model_dir: Path | None = None  # a checkpoint to start from (default: the built tiny model)
     prompts: str = "arithmetic"  # a built-in task (arithmetic, arithmetic-plain) or a JSONL file
     eval_prompts: str | None = None  # JSONL for held-out evaluation (default: `prompts`' test)
@@ -213,7 +213,8 @@ def build_report(config: DemoConfig, result: dict, curve: Curve, *, initial: flo
     train_s = _metric_sum(config.out_dir / "metrics.jsonl", "trainer/step_s")
     generate_s = result["generate_s"]
     return {
-        "bus": config.bus, "algo": config.learner.algorithm.name, "max_staleness": config.max_staleness,
+        "bus": config.bus, "run": config.run, "algo": config.learner.algorithm.name,
+        "max_staleness": config.max_staleness,
         "initial_accuracy": initial, "final_accuracy": final,
         "held_out_problems": held_out,
         "steps": trainer.get("step", 0),
@@ -267,9 +268,20 @@ def plot_curves(report: dict, metrics_path: Path, out_path: Path) -> None:
     plt.close(fig)
 
 
+def with_run_name(config: DemoConfig) -> DemoConfig:
+    """A demo starts from its warm start, so on Kafka, whose topics outlive a run, each run gets
+    topics of its own unless `run` is set."""
+    if config.run:
+        return config
+    if config.bus.startswith("embedded"):
+        return replace(config, run="demo")
+    return replace(config, run=time.strftime("demo-%Y%m%d-%H%M%S", time.gmtime()))
+
+
 def main_demo(config: DemoConfig) -> int:
     logging.basicConfig(level=logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    config = with_run_name(config)
     log_config(config)
     report = run_service(lambda stop: run_demo(config, stop))
     (config.out_dir / "report.json").write_text(json.dumps(report, indent=2))

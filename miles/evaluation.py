@@ -112,7 +112,8 @@ class Evaluator:
         if self._newest is None or self._newest.policy_version <= self.engine.policy_version:
             return False
         folder = await asyncio.to_thread(fetch_version, self._newest)
-        await asyncio.to_thread(self.engine.load_adapter, folder, self._newest.policy_version)
+        await asyncio.to_thread(self.engine.load_version, folder, self._newest.policy_version,
+                                self._newest.format)
         return True
 
     async def follow(self, stop: asyncio.Event, started: float) -> None:

@@ -239,7 +239,8 @@ class RolloutWorker:
     async def _load(self, version: WeightVersion) -> None:
         try:
             folder = await self._in_engine(fetch_version, version)
-            await self._in_engine(self.engine.load_adapter, folder, version.policy_version)
+            await self._in_engine(self.engine.load_version, folder, version.policy_version,
+                                  version.format)
             self.counts["producer/weight_loads"] += 1
             log.info("loaded policy version %d", version.policy_version)
         except MilesError as err:

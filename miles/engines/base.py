@@ -116,3 +116,10 @@ class RolloutEngine(abc.ABC):
     def load_full_weights(self, weights: Path, policy_version: int) -> None:
         """Replace all weights from a model directory or a single `.safetensors` file. Blocking."""
         raise NotImplementedError(f"engine {self.name!r} cannot load full weights")
+
+    def load_version(self, folder: Path, policy_version: int, fmt: str) -> None:
+        """Load a weight store folder written in format `fmt` ("lora" or "full"). Blocking."""
+        if fmt == "lora":
+            self.load_adapter(folder, policy_version)
+        else:
+            self.load_full_weights(folder, policy_version)

@@ -127,7 +127,8 @@ PRESETS: dict[str, Preset] = {
         {"estimator": "rloo", "loss": {"clip_low": 0.2, "clip_high": 0.2}}),
     "reinforce_pp": Preset(
         "Outcome reward normalised by the mean and std of the whole batch (no per-prompt "
-        "baseline); PPO-clip, token mean (the paper's KL-in-reward is available with the critic only here).",
+        "baseline); PPO-clip, token mean (the paper's KL-in-reward needs per-token rewards: "
+        "here only with the critic).",
         "Hu 2025 (REINFORCE++)",
         {"estimator": "reinforce_pp", "loss": {"clip_low": 0.2, "clip_high": 0.2}}),
 }

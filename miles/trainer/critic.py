@@ -1,4 +1,5 @@
-"""Actor, critic and reference on one copy of the base model (PPO with LoRA).
+"""The critic (PPO's value function): under LoRA, actor, critic and reference on one copy of
+the base model; under full fine-tuning, a separate value model.
 
 The policy from `load_policy` (one peft LoRA adapter, the actor) gains a second adapter, the
 critic, and a value head `Linear(hidden, 1)` registered on the peft model as `value_head`. The
@@ -28,6 +29,10 @@ Why it looks like this (peft 0.21):
   engines' hot-load keep working unchanged; the critic is never exported to the engines.
 - The value head has the base model's dtype (fp32 today); a separate fp32 head for bf16 bases
   comes with mixed precision.
+
+Full fine-tuning has no adapter to switch: the critic is `ValueModel`, its own full copy of the
+checkpoint plus a value head, sharded like the policy (`apply_fsdp_value_model`) and trained by
+the same optimizer.
 """
 
 from __future__ import annotations
@@ -41,7 +46,7 @@ from torch import nn
 from torch.distributed.fsdp import fully_shard
 
 from miles.errors import ConfigError
-from miles.trainer.model import ADAPTER_NAME, LoraSettings, apply_fsdp
+from miles.trainer.model import ADAPTER_NAME, LoraSettings, apply_fsdp, decoder_layers
 
 ACTOR = ADAPTER_NAME  # the policy adapter, exported to the engines
 CRITIC = "critic"  # the value adapter, trained with the value head
@@ -61,12 +66,19 @@ def add_critic(model: nn.Module, lora: LoraSettings) -> nn.Linear:
     model.add_adapter(CRITIC, lora_config(lora))
     restore_requires_grad(flags)
     model.set_requires_grad(CRITIC, True)  # peft leaves a new, inactive adapter frozen
+    head = new_value_head(model)
+    model.add_module(VALUE_HEAD, head)
+    return head
+
+
+def new_value_head(model: nn.Module) -> nn.Linear:
+    """`Linear(hidden, 1)` in `model`'s dtype and device; small init: values start near 0 but
+    give the critic's body a gradient. Draws from torch's global RNG."""
     embeddings = model.get_input_embeddings().weight  # [V, H]
     head = nn.Linear(embeddings.shape[1], 1, device=embeddings.device, dtype=embeddings.dtype)
-    with torch.no_grad():  # small: initial values near 0, but a gradient for the critic LoRA
+    with torch.no_grad():
         head.weight.normal_(std=1.0 / math.sqrt(embeddings.shape[1] + 1))
         head.bias.zero_()
-    model.add_module(VALUE_HEAD, head)
     return head
 
 
@@ -146,7 +158,36 @@ def reference_logits(model: nn.Module, input_ids: torch.Tensor, attention_mask: 
     return out.logits  # [B, L, V]
 
 
+class ValueModel(nn.Module):
+    """A full-parameter critic: a causal LM checkpoint whose last hidden state (after the final
+    norm) goes through a value head `Linear(hidden, 1)`."""
+
+    def __init__(self, lm: nn.Module):
+        super().__init__()
+        self.lm = lm
+        setattr(self, VALUE_HEAD, new_value_head(lm))
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                position_ids: torch.Tensor) -> torch.Tensor:
+        """Value of every position, [B, L]."""
+        out = self.lm(input_ids=input_ids, attention_mask=attention_mask,
+                      position_ids=position_ids, use_cache=False, output_hidden_states=True,
+                      logits_to_keep=1)
+        values = value_head(self)(out.hidden_states[-1]).squeeze(-1)  # [B, L]
+        return values.clone()  # not a view: FSDP2 hooks the root's output for backward
+
+
+def apply_fsdp_value_model(model: ValueModel, mesh=None) -> ValueModel:
+    """Shard a `ValueModel`: one unit per decoder block, the head, then the root."""
+    for layer in decoder_layers(model.lm):
+        fully_shard(layer, mesh=mesh)
+    fully_shard(value_head(model), mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
 def is_critic_parameter(name: str) -> bool:
-    """Whether the parameter called `name` is the critic's (its adapter or the value head)."""
+    """Whether the parameter called `name` is the critic's (its adapter, the value head, or
+    anything under a module called `critic`, as in the learner's full fine-tuning container)."""
     parts = name.split(".")
     return CRITIC in parts or VALUE_HEAD in parts

@@ -12,7 +12,8 @@ gradient norm and steps. A `train_step` that updated the actor increments `polic
 
 Under LoRA the reference policy is the base with the adapter disabled and the critic (PPO) is a
 second adapter plus a value head on the same base (`miles.trainer.critic`); under full
-fine-tuning the reference is a frozen copy.
+fine-tuning the reference is a frozen copy and the critic a separate value model. The actor's
+and the critic's losses are backpropagated one after the other, so only one graph is alive.
 
 Simplifications:
 - Gradients are reduce-scattered after every micro-batch (FSDP2's default), not only after the
@@ -20,7 +21,6 @@ Simplifications:
 - A rank with fewer micro-batches runs idle ones (no response token) so every rank makes the
   same FSDP collectives.
 - A step whose gradient norm is not finite is skipped (`trainer/skipped_step` = 1).
-- The critic needs LoRA (a full-parameter critic is not implemented).
 """
 
 from __future__ import annotations
@@ -48,8 +48,8 @@ from miles.rl.sampling import process_logits
 from miles.trainer import critic, distributed
 from miles.trainer.batching import (MicroBatch, idle_micro_batch, make_micro_batches,
                                     max_new_tokens, outcome_advantages)
-from miles.trainer.model import (LoraSettings, apply_fsdp, export_adapter, load_policy,
-                                 trainable_names)
+from miles.trainer.model import (LoraSettings, apply_fsdp, export_adapter, export_full,
+                                 load_policy, trainable_names)
 
 LOGPROB_FLOOR = -100.0
 """Trainer logprobs are floored here: a sampled token the trainer's top-k/top-p filter removes
@@ -126,27 +126,30 @@ class Learner:
                  lora: LoraSettings | None = LoraSettings()):
         self.config = config
         self.algorithm = config.algorithm
-        if self.algorithm.uses_critic and lora is None:
-            raise ConfigError("a critic (estimator 'gae') needs LoRA: the critic is a second "
-                              "adapter on the actor's base; full-parameter critics are not "
-                              "implemented")
         self.device = distributed.init_distributed()
         torch.manual_seed(config.seed)  # same LoRA init on every rank
         model, self.tokenizer = load_policy(model_dir, lora=lora)
-        if self.algorithm.uses_critic:
+        self.critic = None  # full fine-tuning's value model (LoRA: an adapter of self.model)
+        if self.algorithm.uses_critic and lora is not None:
             critic.add_critic(model, lora)
             self.model = critic.apply_fsdp_actor_critic(model.to(self.device))
         else:
             self.model = apply_fsdp(model.to(self.device))
+        if self.algorithm.uses_critic and lora is None:
+            value_model = critic.ValueModel(load_policy(model_dir, lora=None)[0])
+            self.critic = critic.apply_fsdp_value_model(value_model.to(self.device))
+        # what the optimizer and checkpoints hold: the policy, and a separate critic if any
+        self.trained = self.model if self.critic is None else \
+            torch.nn.ModuleDict({"actor": self.model, critic.CRITIC: self.critic})
         self.reference = None  # full fine-tuning: a frozen copy; LoRA: the disabled adapter
         if self.algorithm.uses_reference and lora is None:
             self.reference = apply_fsdp(load_policy(model_dir, lora=None)[0].to(self.device))
             self.reference.requires_grad_(False)
-        for module in self.model.modules():  # the loss is already a global mean: sum over ranks
+        for module in self.trained.modules():  # the loss is already a global mean: sum over ranks
             if isinstance(module, FSDPModule):
                 module.set_gradient_divide_factor(1.0)
                 module.set_force_sum_reduction_for_comms(True)  # plain SUM: gloo has no PREMUL_SUM
-        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        self.params = [p for p in self.trained.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(self._param_groups(), lr=config.lr,
                                            betas=config.betas, eps=config.adam_eps,
                                            weight_decay=config.weight_decay)
@@ -158,7 +161,7 @@ class Learner:
     def _param_groups(self) -> list[dict]:
         if not self.algorithm.uses_critic:
             return [{"params": self.params}]
-        names = dict(self.model.named_parameters())
+        names = dict(self.trained.named_parameters())
         critic_names = {n for n in names if critic.is_critic_parameter(n)}
         actor = [p for n, p in names.items() if p.requires_grad and n not in critic_names]
         value = [p for n, p in names.items() if p.requires_grad and n in critic_names]
@@ -200,9 +203,11 @@ class Learner:
 
     def _values(self, batch: MicroBatch) -> torch.Tensor:
         """Critic values of the states that predict each target, [B, L-1]."""
-        return critic.values(self.model, batch.input_ids.to(self.device),
-                             batch.attention_mask.to(self.device),
-                             batch.position_ids.to(self.device))[:, :-1]
+        inputs = (batch.input_ids.to(self.device), batch.attention_mask.to(self.device),
+                  batch.position_ids.to(self.device))
+        if self.critic is not None:
+            return self.critic(*inputs)[:, :-1]
+        return critic.values(self.model, *inputs)[:, :-1]
 
     # -- the step -----------------------------------------------------------------------------
 
@@ -231,7 +236,7 @@ class Learner:
         limits = [max(max_new_tokens(groups[i]) for i in part) for part in indices]
         prepared = self._prepare(slices)
         train_actor = self.steps >= self.algorithm.critic_warmup_steps
-        self.model.train()
+        self.trained.train()
         sums: dict[str, torch.Tensor] = {}
         norms = []
         for batches, extras, limit in zip(slices, prepared, limits):
@@ -300,16 +305,16 @@ class Learner:
 
     def _accumulate(self, batch: MicroBatch, extra: Prepared, normalisers: Normalisers,
                     train_actor: bool) -> dict[str, torch.Tensor]:
+        """Backpropagate the actor's loss, then the critic's (one graph alive at a time)."""
         mask = batch.response_mask.to(self.device)  # [B, L-1]
         metrics: dict[str, torch.Tensor] = {}
-        loss = torch.zeros((), device=self.device)
         if train_actor:
             loss, metrics = self._policy_loss(batch, extra, normalisers, mask)
+            loss.backward()
         if self.algorithm.uses_critic:
             value_loss, value_metrics = self._value_loss(batch, extra, normalisers, mask)
-            loss = loss + self.algorithm.value_coef * value_loss
+            (self.algorithm.value_coef * value_loss).backward()
             metrics.update(value_metrics)
-        loss.backward()
         return {key: value.cpu() for key, value in metrics.items()}
 
     def _policy_loss(self, batch: MicroBatch, extra: Prepared, normalisers: Normalisers,
@@ -383,30 +388,38 @@ class Learner:
         copy them before the next `train_step`. Before the first step, torch's helper
         materialises the optimizer state with a zero-lr step (Adam `step` = 1): call it then
         only to load a checkpoint into it."""
-        names = trainable_names(self.model)
-        weights = get_model_state_dict(self.model,
+        names = trainable_names(self.trained)
+        weights = get_model_state_dict(self.trained,
                                        options=StateDictOptions(ignore_frozen_params=True))
         rng = {"cpu": torch.get_rng_state()}
         if torch.cuda.is_available():
             rng["cuda"] = torch.cuda.get_rng_state()
         return {"model": {k: v for k, v in weights.items() if k in names},
-                "optimizer": get_optimizer_state_dict(self.model, self.optimizer),
+                "optimizer": get_optimizer_state_dict(self.trained, self.optimizer),
                 "rng": rng, "policy_version": self.policy_version, "steps": self.steps}
 
     def load_state_dict(self, state: dict) -> None:
         """Restore what `state_dict` returned (possibly after a checkpoint round trip)."""
-        set_model_state_dict(self.model, state["model"],
+        set_model_state_dict(self.trained, state["model"],
                              options=StateDictOptions(strict=False))
-        set_optimizer_state_dict(self.model, self.optimizer, state["optimizer"])
+        set_optimizer_state_dict(self.trained, self.optimizer, state["optimizer"])
         torch.set_rng_state(state["rng"]["cpu"])
         if "cuda" in state["rng"] and torch.cuda.is_available():
             torch.cuda.set_rng_state(state["rng"]["cuda"])
         self.policy_version = int(state["policy_version"])
         self.steps = int(state.get("steps", self.policy_version))
 
-    def export_adapter(self, out_dir: str | Path) -> Path | None:
-        """Write the LoRA adapter in peft's format (rank 0 writes; every rank must call)."""
-        return export_adapter(self.model, out_dir)
+    @property
+    def weights_format(self) -> str:
+        """What `export_weights` writes: "lora" (the adapter) or "full" (the whole policy)."""
+        return "lora" if hasattr(self.model, "peft_config") else "full"
+
+    def export_weights(self, out_dir: str | Path) -> Path | None:
+        """Write the policy for the engines: the LoRA adapter in peft's format, or the full
+        model (rank 0 writes; every rank must call)."""
+        if self.weights_format == "lora":
+            return export_adapter(self.model, out_dir)
+        return export_full(self.model, out_dir)
 
 
 def policy_metrics(s: dict[str, float], sums: dict[str, torch.Tensor]) -> dict[str, float]:

@@ -101,11 +101,11 @@ class StepRunner:
     def export(self, *, step: int) -> WeightVersion | None:
         """Write the current weights to the store; rank 0 gets the record to announce."""
         if not distributed.is_main():
-            self.learner.export_adapter(self.weights_dir)  # the gather is collective
+            self.learner.export_weights(self.weights_dir)  # the gather is collective
             return None
         return write_version(self.weights_dir, policy_version=self.learner.policy_version,
                              step=step, base_model=self.base_model,
-                             write=self.learner.export_adapter)
+                             write=self.learner.export_weights, fmt=self.learner.weights_format)
 
     def step(self, payload: bytes) -> tuple[dict[str, float], WeightVersion | None] | None:
         """Run one step message broadcast by rank 0; None when the message says stop."""

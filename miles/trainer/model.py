@@ -9,7 +9,9 @@ Simplifications:
 - The model is materialised in full on every rank and then sharded (`fully_shard` keeps each
   rank's shard); meta-device initialisation for models that do not fit one host comes later.
 - fp32 parameters and compute, no FSDP mixed-precision policy yet.
-- One adapter named "default"; the reference policy (adapters disabled) is not used yet.
+- One policy adapter named "default" (the PPO critic adds its own, `miles.trainer.critic`).
+- Full weights are exported as one `model.safetensors` (no shards): the weight store announces
+  one file per version.
 - Decoder blocks are found at `<causal lm>.model.layers` (Llama, Qwen2, Mistral, Gemma, ...);
   other layouts raise `ConfigError`.
 """
@@ -74,6 +76,20 @@ def apply_fsdp(model: nn.Module, mesh=None) -> nn.Module:
 def trainable_names(model: nn.Module) -> set[str]:
     """Fully qualified names of the parameters the optimizer updates."""
     return {name for name, param in model.named_parameters() if param.requires_grad}
+
+
+def export_full(model: nn.Module, out_dir: str | Path) -> Path | None:
+    """Write the whole (fully fine-tuned) model as a Hugging Face folder with one
+    `model.safetensors` (tied weights once). A collective like `export_adapter`; rank 0 writes."""
+    if hasattr(model, "peft_config"):
+        raise MilesError("export_full is for fully trained models; this one has a LoRA adapter")
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    full = get_model_state_dict(model, options=options)  # collective: all-gathers the shards
+    if not distributed.is_main():
+        return None
+    out_dir = Path(out_dir)
+    model.save_pretrained(out_dir, state_dict=full, max_shard_size="10000GB")
+    return out_dir
 
 
 def export_adapter(model: nn.Module, out_dir: str | Path) -> Path | None:

@@ -2,8 +2,9 @@
 
 Layout: `<store>/v<policy_version:08d>/` holds one version, written by the trainer into a
 temporary folder and renamed into place in one step, so a reader never sees half a version. For
-LoRA the folder is peft's adapter format (`adapter_model.safetensors` + `adapter_config.json`); the
-announced URI names the safetensors file, and its sha256 and size travel in the `WeightVersion`.
+LoRA the folder is peft's adapter format (`adapter_model.safetensors` + `adapter_config.json`);
+for full weights it is a Hugging Face model folder with one `model.safetensors`. The announced URI
+names the safetensors file, and its sha256 and size travel in the `WeightVersion`.
 
 Only `file://` URIs for now: a shared file system (NFS, a mounted bucket) serves a cluster; an
 object-store scheme is a new `fetch` branch, not a new record.
@@ -21,7 +22,7 @@ from urllib.parse import unquote, urlparse
 from miles.errors import WeightsError
 from miles.protocol import WeightVersion
 
-WEIGHTS_FILE = "adapter_model.safetensors"
+WEIGHTS_FILES = {"lora": "adapter_model.safetensors", "full": "model.safetensors"}
 HASH_CHUNK_BYTES = 4 * 1024 * 1024
 
 
@@ -40,17 +41,19 @@ def version_dir(store: Path, policy_version: int) -> Path:
 def write_version(store: Path, *, policy_version: int, step: int, base_model: str,
                   write: Callable[[Path], None], fmt: str = "lora") -> WeightVersion:
     """Run `write(folder)` into a fresh folder, move it into place, describe it as a record."""
+    if fmt not in WEIGHTS_FILES:
+        raise WeightsError(f"weight format must be one of {sorted(WEIGHTS_FILES)}, got {fmt!r}")
+    name = WEIGHTS_FILES[fmt]
     final = version_dir(store, policy_version)
     staging = final.with_name(final.name + ".tmp")
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir(parents=True)
     write(staging)
-    weights = staging / WEIGHTS_FILE
-    if not weights.is_file():
-        raise WeightsError(f"writing version {policy_version} produced no {WEIGHTS_FILE}")
+    if not (staging / name).is_file():
+        raise WeightsError(f"writing version {policy_version} produced no {name}")
     shutil.rmtree(final, ignore_errors=True)
     staging.rename(final)
-    path = final / WEIGHTS_FILE
+    path = final / name
     return WeightVersion(policy_version=policy_version, step=step, uri=path.resolve().as_uri(),
                          format=fmt, sha256=file_sha256(path), bytes=path.stat().st_size,
                          base_model=base_model, created_at=time.time())

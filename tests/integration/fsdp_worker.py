@@ -47,7 +47,7 @@ def main(model_dir: str, out_dir: str, algo: str) -> None:
                            algorithm=build(AlgorithmConfig, preset(algo)))
     learner = Learner(model_dir, config, lora=LoraSettings(r=4, alpha=8))
     metrics = learner.train_step(shipped_groups())
-    learner.export_adapter(Path(out_dir) / "adapter")
+    learner.export_weights(Path(out_dir) / "adapter")
     micro_batches = len(learner.micro_batches(fixed_groups()))  # a collective: every rank
     if distributed.is_main():
         report = {"world_size": distributed.world_size(), "micro_batches": micro_batches,

@@ -115,7 +115,7 @@ def test_exported_adapter_reproduces_the_learner_logits(model_dir, tmp_path):
 
     learner = Learner(model_dir, CONFIG, lora=LORA)
     learner.train_step(random_groups())
-    assert learner.export_adapter(tmp_path / "adapter") == tmp_path / "adapter"
+    assert learner.export_weights(tmp_path / "adapter") == tmp_path / "adapter"
     assert {"adapter_model.safetensors", "adapter_config.json"} <= {
         p.name for p in (tmp_path / "adapter").iterdir()}
     fresh = PeftModel.from_pretrained(base_model(model_dir), tmp_path / "adapter").eval()
@@ -129,6 +129,34 @@ def test_exported_adapter_reproduces_the_learner_logits(model_dir, tmp_path):
         untrained = base_model(model_dir)(**inputs).logits  # [B, L, V]
     assert_close(got, expected, atol=1e-5, rtol=1e-5)
     assert (untrained - expected).abs().max() > 1e-4  # the adapter did change the function
+
+
+def test_full_fine_tuning_exports_weights_the_engine_and_from_pretrained_load(model_dir,
+                                                                            tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from miles.engines.hf import HFEngine
+
+    learner = Learner(model_dir, CONFIG, lora=None)
+    assert learner.weights_format == "full"
+    learner.train_step(random_groups())
+    assert learner.export_weights(tmp_path / "full") == tmp_path / "full"
+    assert (tmp_path / "full" / "model.safetensors").is_file()
+    batch = make_micro_batches(random_groups(2), max_tokens=1000)[0]
+    inputs = dict(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
+                  position_ids=batch.position_ids, use_cache=False)
+    engine = HFEngine(model_dir, lora=None)
+    engine.load_version(tmp_path / "full", 1, "full")
+    assert engine.policy_version == 1
+    with torch.no_grad():
+        learner.model.eval()
+        expected = learner.model(**inputs).logits  # [B, L, V]
+        loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "full").eval()(**inputs).logits
+        served = engine.model(**inputs).logits
+        untrained = base_model(model_dir)(**inputs).logits
+    assert_close(loaded, expected, atol=1e-5, rtol=1e-5)
+    assert_close(served, expected, atol=1e-5, rtol=1e-5)
+    assert (untrained - expected).abs().max() > 1e-4
 
 
 def test_state_dict_round_trip_restores_weights_optimizer_and_version(model_dir, tmp_path):

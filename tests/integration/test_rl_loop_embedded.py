@@ -49,16 +49,16 @@ def full(param) -> torch.Tensor:
     return param.full_tensor() if isinstance(param, DTensor) else param
 
 
-async def run_loop(model_dir, out_dir, *, max_staleness: int):
+async def run_loop(model_dir, out_dir, *, max_staleness: int, lora: LoraSettings | None = LORA):
     run = f"loop{max_staleness}"
     async with open_bus("embedded://") as bus:
         await bus.create_topics(run_topics(run, prompt_partitions=2, trajectory_partitions=2))
         await feed(bus, run, arithmetic_problems("train")[:200])
-        engine = HFEngine(model_dir, lora=LORA)
+        engine = HFEngine(model_dir, lora=lora)
         worker = RolloutWorker(bus, engine, starts_with_digit, RolloutConfig(
             run=run, sampling=SamplingParams(n=4, max_new_tokens=4), prompts_per_batch=PER_STEP,
             groups_per_step=PER_STEP, max_staleness=max_staleness, heartbeat_s=0.2))
-        learner = Learner(model_dir, LearnerConfig(lr=1e-2), lora=LORA)
+        learner = Learner(model_dir, LearnerConfig(lr=1e-2 if lora else 1e-4), lora=lora)
         before = {n: full(p).clone() for n, p in learner.model.named_parameters()}
         loop = TrainerLoop(bus, StepRunner(learner, LoopConfig(
             run=run, out_dir=out_dir, groups_per_step=PER_STEP, max_staleness=max_staleness,
@@ -98,3 +98,13 @@ async def test_versions_advance_and_staleness_holds(model_dir, tmp_path, max_sta
                 "trainer/tokens_per_s"):
         assert all(isinstance(m[key], float) for m in metrics), key
     assert (tmp_path / "checkpoints" / "latest").read_text() == "step_00000004"
+
+
+async def test_full_fine_tuning_publishes_full_weights_the_producer_loads(model_dir, tmp_path):
+    summary, worker, engine, versions, changed = await run_loop(
+        model_dir, tmp_path, max_staleness=1, lora=None)
+    assert summary["policy_version"] == STEPS
+    assert {v.format for v in versions} == {"full"}
+    assert all(v.uri.endswith("/model.safetensors") for v in versions)
+    assert any(name.endswith("embed_tokens.weight") for name in changed)
+    assert engine.policy_version >= STEPS - 1 and worker.counts["producer/weight_errors"] == 0

@@ -6,7 +6,9 @@ from dataclasses import replace
 import pytest
 
 from miles.errors import WeightsError
-from miles.weights.store import WEIGHTS_FILE, fetch_version, version_dir, write_version
+from miles.weights.store import WEIGHTS_FILES, fetch_version, version_dir, write_version
+
+WEIGHTS_FILE = WEIGHTS_FILES["lora"]
 
 
 def write_fake_adapter(folder):
@@ -42,6 +44,19 @@ def test_fetch_rejects_damaged_files(tmp_path, damage, message):
     damage(version_dir(tmp_path, 2) / WEIGHTS_FILE, record)
     with pytest.raises(WeightsError, match=message):
         fetch_version(record)
+
+
+def test_full_weights_are_announced_by_their_own_file(tmp_path):
+    record = write_version(tmp_path, policy_version=4, step=4, base_model="m", fmt="full",
+                           write=lambda d: (d / "model.safetensors").write_bytes(b"w" * 10))
+    assert record.format == "full" and record.uri.endswith("/v00000004/model.safetensors")
+    assert fetch_version(record) == version_dir(tmp_path, 4)
+    with pytest.raises(WeightsError, match="produced no model.safetensors"):
+        write_version(tmp_path, policy_version=5, step=5, base_model="m", fmt="full",
+                      write=write_fake_adapter)
+    with pytest.raises(WeightsError, match="weight format"):
+        write_version(tmp_path, policy_version=6, step=6, base_model="m", fmt="merged",
+                      write=write_fake_adapter)
 
 
 def test_fetch_rejects_other_schemes(tmp_path):
