@@ -17,8 +17,9 @@ from miles.bus import open_bus
 from miles.engines.base import LoraSettings
 from miles.engines.hf import HFEngine
 from miles.feeder import feed
-from miles.protocol import WeightVersion, decode
+from miles.protocol import TrajectoryGroup, WeightVersion, decode
 from miles.protocol.topics import run_topics, topic_name
+from miles.rl.algorithm import AlgorithmConfig
 from miles.rl.sampling import SamplingParams
 from miles.rollout import RolloutConfig, RolloutWorker
 from miles.tasks.arithmetic import arithmetic_problems
@@ -26,7 +27,7 @@ from miles.tasks.tiny_model import build_tiny_model
 from miles.trainer import distributed
 from miles.trainer.learner import Learner, LearnerConfig
 from miles.trainer.loop import LoopConfig, StepRunner, TrainerLoop
-from tests.rewards import starts_with_digit
+from tests.rewards import digit_for_odd_answers, starts_with_digit
 
 LORA = LoraSettings(r=4, alpha=8)
 STEPS = 4
@@ -49,16 +50,18 @@ def full(param) -> torch.Tensor:
     return param.full_tensor() if isinstance(param, DTensor) else param
 
 
-async def run_loop(model_dir, out_dir, *, max_staleness: int, lora: LoraSettings | None = LORA):
+async def run_loop(model_dir, out_dir, *, max_staleness: int, lora: LoraSettings | None = LORA,
+                   algorithm: AlgorithmConfig = AlgorithmConfig(), reward=starts_with_digit):
     run = f"loop{max_staleness}"
     async with open_bus("embedded://") as bus:
         await bus.create_topics(run_topics(run, prompt_partitions=2, trajectory_partitions=2))
         await feed(bus, run, arithmetic_problems("train")[:200])
         engine = HFEngine(model_dir, lora=lora)
-        worker = RolloutWorker(bus, engine, starts_with_digit, RolloutConfig(
+        worker = RolloutWorker(bus, engine, reward, RolloutConfig(
             run=run, sampling=SamplingParams(n=4, max_new_tokens=4), prompts_per_batch=PER_STEP,
             groups_per_step=PER_STEP, max_staleness=max_staleness, heartbeat_s=0.2))
-        learner = Learner(model_dir, LearnerConfig(lr=1e-2 if lora else 1e-4), lora=lora)
+        learner = Learner(model_dir, LearnerConfig(lr=1e-2 if lora else 1e-4,
+                                                   algorithm=algorithm), lora=lora)
         before = {n: full(p).clone() for n, p in learner.model.named_parameters()}
         loop = TrainerLoop(bus, StepRunner(learner, LoopConfig(
             run=run, out_dir=out_dir, groups_per_step=PER_STEP, max_staleness=max_staleness,
@@ -70,14 +73,17 @@ async def run_loop(model_dir, out_dir, *, max_staleness: int, lora: LoraSettings
         await asyncio.wait_for(producing, 60)
         async with bus.consumer([topic_name(run, "control")], group_id="audit") as audit:
             versions = [decode(r.value, WeightVersion) for r in await audit.poll(timeout_s=1)]
+        async with bus.consumer([topic_name(run, "trajectories")], group_id="audit") as audit:
+            groups = [decode(r.value, TrajectoryGroup)
+                      for r in await audit.poll(max_records=10_000, timeout_s=1)]
     changed = [n for n, p in learner.model.named_parameters()
                if not torch.equal(full(p), before[n])]
-    return summary, worker, engine, versions, changed
+    return summary, worker, engine, versions, changed, {g.group_id: g for g in groups}
 
 
 @pytest.mark.parametrize("max_staleness", [0, 1])
 async def test_versions_advance_and_staleness_holds(model_dir, tmp_path, max_staleness):
-    summary, worker, engine, versions, changed = await run_loop(
+    summary, worker, engine, versions, changed, published = await run_loop(
         model_dir, tmp_path, max_staleness=max_staleness)
     assert summary["steps"] == STEPS and summary["policy_version"] == STEPS
     assert changed and all("lora" in name for name in changed)
@@ -101,10 +107,26 @@ async def test_versions_advance_and_staleness_holds(model_dir, tmp_path, max_sta
 
 
 async def test_full_fine_tuning_publishes_full_weights_the_producer_loads(model_dir, tmp_path):
-    summary, worker, engine, versions, changed = await run_loop(
+    summary, worker, engine, versions, changed, published = await run_loop(
         model_dir, tmp_path, max_staleness=1, lora=None)
     assert summary["policy_version"] == STEPS
     assert {v.format for v in versions} == {"full"}
     assert all(v.uri.endswith("/model.safetensors") for v in versions)
     assert any(name.endswith("embed_tokens.weight") for name in changed)
     assert engine.policy_version >= STEPS - 1 and worker.counts["producer/weight_errors"] == 0
+
+
+async def test_dynamic_sampling_trains_only_groups_with_a_reward_spread(model_dir, tmp_path):
+    summary, worker, engine, versions, changed, published = await run_loop(
+        model_dir, tmp_path, max_staleness=1, reward=digit_for_odd_answers,
+        algorithm=AlgorithmConfig(dynamic_sampling=True))
+    assert summary["policy_version"] == STEPS
+    ledger = [json.loads(line) for line in (tmp_path / "ledger.jsonl").read_text().splitlines()]
+    trained = [g for entry in ledger for g in entry["trained"]]
+    filtered = [g for entry in ledger for g in entry["filtered"]]
+    assert len(trained) == STEPS * PER_STEP, "the shortfall was refilled from the stream"
+    assert filtered and not set(filtered) & set(trained)
+    spread = {gid: len({s.reward for s in g.samples}) > 1 for gid, g in published.items()}
+    assert all(spread[g] for g in trained) and not any(spread[g] for g in filtered)
+    metrics = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[-1])
+    assert metrics["trainer/filtered_groups"] == len(filtered)

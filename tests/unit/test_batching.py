@@ -97,3 +97,31 @@ def test_idle_micro_batch_has_no_response_tokens():
     idle = idle_micro_batch(pad_id=PAD)
     assert idle.num_tokens == 0 and idle.sample_ids == ()
     assert idle.attention_mask.all()  # no fully masked row, so no nan in attention
+
+
+def test_overlong_shaping_ramps_the_penalty_over_the_buffer():
+    from miles.rl.algorithm import AlgorithmConfig
+    from miles.trainer.batching import shaped_rewards
+
+    group = ragged_group(0, [4, 6, 7, 8], sampling={"temperature": 1.0, "top_p": 1.0,
+                                                    "top_k": -1, "max_new_tokens": 8})
+    plain = shaped_rewards(group, AlgorithmConfig())
+    assert plain.tolist() == [0.0, 1.0, 2.0, 3.0]  # ragged_group's rewards are the indices
+    shaped = shaped_rewards(group, AlgorithmConfig(overlong_buffer=4, overlong_penalty=2.0))
+    # free up to 8 - 4 = 4 tokens, then -2 * (excess / 4): 6 -> -1, 7 -> -1.5, 8 -> -2
+    assert_close(shaped, torch.tensor([0.0, 0.0, 0.5, 1.0], dtype=torch.float64))
+
+
+def test_mask_truncated_keeps_the_row_but_trains_none_of_its_tokens():
+    from miles.rl.algorithm import AlgorithmConfig
+
+    samples = [make_sample(5, vocab_size=50, seed=i, reward=float(i), finish_reason=reason)
+               for i, reason in enumerate(["stop", "length", "stop"])]
+    group = make_group(prompt_tokens=3, vocab_size=50, samples=samples)
+    for masked in (False, True):
+        [batch] = make_micro_batches([group], max_tokens=1000, pad_id=PAD,
+                                     algorithm=AlgorithmConfig(mask_truncated=masked))
+        trained = batch.response_mask.sum(dim=1).tolist()  # rows keep the group's order
+        assert trained == ([5, 0, 5] if masked else [5, 5, 5])
+        # the truncated sample still counts in its group's baseline
+        assert_close(batch.advantages, grpo_advantages(torch.tensor([[0.0, 1.0, 2.0]]))[0].float())

@@ -7,7 +7,7 @@ from typing import Literal
 
 import pytest
 
-from miles.config import field_paths, load_config
+from miles.config import field_paths, load_config, nest
 from miles.errors import ConfigError
 
 
@@ -77,3 +77,26 @@ def test_file_values_are_not_coerced_from_wrong_types(tmp_path):
 
 def test_field_paths_lists_nested_keys():
     assert {"steps", "inner.lr", "inner.targets", "lora.lr"} <= set(field_paths(Root))
+
+
+def test_a_preset_is_the_lowest_layer_and_keeps_unnamed_defaults(tmp_path):
+    from miles.rl.algorithm import AlgorithmConfig, preset
+    from miles.trainer.learner import LearnerConfig
+
+    path = tmp_path / "c.yaml"
+    path.write_text("algorithm:\n  loss:\n    clip_low: 0.1\n")
+    config = load_config(LearnerConfig, path=path, env={},
+                         overrides=["algorithm.loss.clip_high=0.3"],
+                         base=nest("algorithm", preset("dapo")))
+    a = config.algorithm
+    assert a.name == "dapo" and a.dynamic_sampling and a.overlong_buffer == 2  # preset
+    assert (a.loss.clip_low, a.loss.clip_high) == (0.1, 0.3)  # file, then --set
+    assert a.loss.objective == AlgorithmConfig().loss.objective  # nobody named it
+    assert config.lr == LearnerConfig().lr
+
+
+def test_an_unknown_preset_names_the_choices():
+    from miles.rl.algorithm import preset
+
+    with pytest.raises(ConfigError, match="algo must be one of .*'ppo'"):
+        preset("ppo2")
