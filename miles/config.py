@@ -131,6 +131,10 @@ def build(cls: type[T], data: Mapping[str, Any], where: str = "", default: Any =
         return dataclasses.replace(default, **values) if default is not None else cls(**values)
     except TypeError as err:
         raise ConfigError(f"{where.rstrip('.') or cls.__name__}: {err}") from err
+    except ConfigError as err:  # from __post_init__: "objective must ..." names its own field
+        if not where:
+            raise
+        raise ConfigError(f"{where}{err}") from err
 
 
 def _field_default(cls: type, name: str, instance: Any) -> Any:

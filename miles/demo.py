@@ -76,7 +76,7 @@ class DemoConfig:
 
     def __post_init__(self) -> None:
         if self.rl_seconds <= 0:
-            raise ConfigError(f"demo.rl_seconds must be > 0, got {self.rl_seconds}")
+            raise ConfigError(f"rl_seconds must be > 0, got {self.rl_seconds}")
 
     def rollout(self) -> RolloutConfig:
         return RolloutConfig(run=self.run, producer_id="producer-0", sampling=self.sampling,

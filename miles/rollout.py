@@ -58,9 +58,9 @@ class RolloutConfig:
     def __post_init__(self) -> None:
         for name in ("prompts_per_batch", "groups_per_step"):
             if getattr(self, name) < 1:
-                raise ConfigError(f"rollout.{name} must be >= 1, got {getattr(self, name)}")
+                raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.max_staleness < 0:
-            raise ConfigError(f"rollout.max_staleness must be >= 0, got {self.max_staleness}")
+            raise ConfigError(f"max_staleness must be >= 0, got {self.max_staleness}")
 
 
 @dataclass

@@ -39,13 +39,13 @@ class LoraSettings:
 
     def __post_init__(self) -> None:
         if self.r < 1:
-            raise ConfigError(f"lora.r must be >= 1, got {self.r}")
+            raise ConfigError(f"r must be >= 1, got {self.r}")
         if self.alpha <= 0:
-            raise ConfigError(f"lora.alpha must be > 0, got {self.alpha}")
+            raise ConfigError(f"alpha must be > 0, got {self.alpha}")
         if not 0 <= self.dropout < 1:
-            raise ConfigError(f"lora.dropout must be in [0, 1), got {self.dropout}")
+            raise ConfigError(f"dropout must be in [0, 1), got {self.dropout}")
         if not self.target_modules:
-            raise ConfigError("lora.target_modules must name at least one module")
+            raise ConfigError("target_modules must name at least one module")
 
 
 @dataclass(frozen=True, kw_only=True, eq=False)

@@ -48,21 +48,21 @@ class AlgorithmConfig:
     def __post_init__(self) -> None:
         checks = [
             (self.estimator in ESTIMATORS,
-             f"algorithm.estimator must be one of {list(ESTIMATORS)}, got {self.estimator!r}"),
+             f"estimator must be one of {list(ESTIMATORS)}, got {self.estimator!r}"),
             (self.mini_batches >= 1,
-             f"algorithm.mini_batches must be >= 1, got {self.mini_batches}"),
+             f"mini_batches must be >= 1, got {self.mini_batches}"),
             (not self.kl_in_reward or self.estimator == "gae",
-             "algorithm.kl_in_reward needs estimator='gae' (per-token rewards)"),
-            (0 < self.gamma <= 1, f"algorithm.gamma must be in (0, 1], got {self.gamma}"),
-            (0 <= self.lam <= 1, f"algorithm.lam must be in [0, 1], got {self.lam}"),
-            (self.value_coef > 0, f"algorithm.value_coef must be > 0, got {self.value_coef}"),
-            (self.value_clip >= 0, f"algorithm.value_clip must be >= 0, got {self.value_clip}"),
-            (self.critic_warmup_steps >= 0, "algorithm.critic_warmup_steps must be >= 0, "
+             "kl_in_reward needs estimator='gae' (per-token rewards)"),
+            (0 < self.gamma <= 1, f"gamma must be in (0, 1], got {self.gamma}"),
+            (0 <= self.lam <= 1, f"lam must be in [0, 1], got {self.lam}"),
+            (self.value_coef > 0, f"value_coef must be > 0, got {self.value_coef}"),
+            (self.value_clip >= 0, f"value_clip must be >= 0, got {self.value_clip}"),
+            (self.critic_warmup_steps >= 0, "critic_warmup_steps must be >= 0, "
              f"got {self.critic_warmup_steps}"),
             (self.overlong_buffer >= 0,
-             f"algorithm.overlong_buffer must be >= 0, got {self.overlong_buffer}"),
+             f"overlong_buffer must be >= 0, got {self.overlong_buffer}"),
             (self.overlong_penalty >= 0,
-             f"algorithm.overlong_penalty must be >= 0, got {self.overlong_penalty}"),
+             f"overlong_penalty must be >= 0, got {self.overlong_penalty}"),
         ]
         for ok, message in checks:
             if not ok:

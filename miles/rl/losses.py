@@ -58,22 +58,22 @@ class LossSettings(ObjectiveSettings):
         super().__post_init__()
         checks = [
             (self.objective in OBJECTIVES,
-             f"rl.objective must be one of {sorted(OBJECTIVES)}, got {self.objective!r}"),
+             f"objective must be one of {sorted(OBJECTIVES)}, got {self.objective!r}"),
             (self.aggregation in AGGREGATIONS,
-             f"rl.aggregation must be one of {sorted(AGGREGATIONS)}, got {self.aggregation!r}"),
+             f"aggregation must be one of {sorted(AGGREGATIONS)}, got {self.aggregation!r}"),
             (self.is_level in IS_LEVELS,
-             f"rl.is_level must be one of {list(IS_LEVELS)}, got {self.is_level!r}"),
+             f"is_level must be one of {list(IS_LEVELS)}, got {self.is_level!r}"),
             (self.is_mode in IS_MODES,
-             f"rl.is_mode must be one of {list(IS_MODES)}, got {self.is_mode!r}"),
-            (self.is_upper >= 1, f"rl.is_upper must be >= 1, got {self.is_upper}"),
+             f"is_mode must be one of {list(IS_MODES)}, got {self.is_mode!r}"),
+            (self.is_upper >= 1, f"is_upper must be >= 1, got {self.is_upper}"),
             (self.is_lower is None or self.is_mode == "mask",
-             f"rl.is_lower only applies to is_mode='mask', got is_mode={self.is_mode!r}"),
+             f"is_lower only applies to is_mode='mask', got is_mode={self.is_mode!r}"),
             (self.is_lower is None or 0 <= self.is_lower <= 1,
-             f"rl.is_lower must be in [0, 1] or None, got {self.is_lower}"),
-            (self.kl_coef >= 0, f"rl.kl_coef must be >= 0, got {self.kl_coef}"),
+             f"is_lower must be in [0, 1] or None, got {self.is_lower}"),
+            (self.kl_coef >= 0, f"kl_coef must be >= 0, got {self.kl_coef}"),
             (self.kl_kind in KL_KINDS,
-             f"rl.kl_kind must be one of {list(KL_KINDS)}, got {self.kl_kind!r}"),
-            (self.entropy_coef >= 0, f"rl.entropy_coef must be >= 0, got {self.entropy_coef}"),
+             f"kl_kind must be one of {list(KL_KINDS)}, got {self.kl_kind!r}"),
+            (self.entropy_coef >= 0, f"entropy_coef must be >= 0, got {self.entropy_coef}"),
         ]
         for ok, message in checks:
             if not ok:

@@ -47,15 +47,15 @@ class ObjectiveSettings:
 
     def __post_init__(self) -> None:
         checks = [
-            (0 <= self.clip_low <= 1, f"rl.clip_low must be in [0, 1], got {self.clip_low}"),
+            (0 <= self.clip_low <= 1, f"clip_low must be in [0, 1], got {self.clip_low}"),
             (self.clip_high >= self.clip_low,
-             f"rl.clip_high must be >= clip_low ({self.clip_low}), got {self.clip_high}"),
+             f"clip_high must be >= clip_low ({self.clip_low}), got {self.clip_high}"),
             (self.dual_clip is None or self.dual_clip > 1,
-             f"rl.dual_clip must be > 1 or None, got {self.dual_clip}"),
+             f"dual_clip must be > 1 or None, got {self.dual_clip}"),
             (0 <= self.seq_clip_low <= 1,
-             f"rl.seq_clip_low must be in [0, 1], got {self.seq_clip_low}"),
+             f"seq_clip_low must be in [0, 1], got {self.seq_clip_low}"),
             (self.seq_clip_high >= 0,
-             f"rl.seq_clip_high must be >= 0, got {self.seq_clip_high}"),
+             f"seq_clip_high must be >= 0, got {self.seq_clip_high}"),
         ]
         for ok, message in checks:
             if not ok:

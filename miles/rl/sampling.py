@@ -28,15 +28,15 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         if self.n < 1:
-            raise ConfigError(f"sampling.n must be >= 1, got {self.n}")
+            raise ConfigError(f"n must be >= 1, got {self.n}")
         if not self.temperature > 0:
-            raise ConfigError(f"sampling.temperature must be > 0, got {self.temperature}")
+            raise ConfigError(f"temperature must be > 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
-            raise ConfigError(f"sampling.top_p must be in (0, 1], got {self.top_p}")
+            raise ConfigError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
-            raise ConfigError(f"sampling.top_k must be >= 0, got {self.top_k}")
+            raise ConfigError(f"top_k must be >= 0, got {self.top_k}")
         if self.max_new_tokens < 1:
-            raise ConfigError(f"sampling.max_new_tokens must be >= 1, got {self.max_new_tokens}")
+            raise ConfigError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
 
     def as_wire(self) -> dict[str, float | int]:
         return {"n": self.n, "temperature": self.temperature, "top_p": self.top_p,

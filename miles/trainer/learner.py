@@ -73,14 +73,14 @@ class LearnerConfig:
 
     def __post_init__(self) -> None:
         checks = [
-            (self.lr > 0, f"trainer.lr must be > 0, got {self.lr}"),
-            (self.critic_lr >= 0, f"trainer.critic_lr must be >= 0, got {self.critic_lr}"),
+            (self.lr > 0, f"lr must be > 0, got {self.lr}"),
+            (self.critic_lr >= 0, f"critic_lr must be >= 0, got {self.critic_lr}"),
             (self.weight_decay >= 0,
-             f"trainer.weight_decay must be >= 0, got {self.weight_decay}"),
+             f"weight_decay must be >= 0, got {self.weight_decay}"),
             (len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas),
-             f"trainer.betas must be two values in [0, 1), got {self.betas}"),
-            (self.adam_eps > 0, f"trainer.adam_eps must be > 0, got {self.adam_eps}"),
-            (self.grad_clip > 0, f"trainer.grad_clip must be > 0, got {self.grad_clip}"),
+             f"betas must be two values in [0, 1), got {self.betas}"),
+            (self.adam_eps > 0, f"adam_eps must be > 0, got {self.adam_eps}"),
+            (self.grad_clip > 0, f"grad_clip must be > 0, got {self.grad_clip}"),
             (self.max_tokens_per_micro_batch >= 1, "trainer.max_tokens_per_micro_batch must be "
              f">= 1, got {self.max_tokens_per_micro_batch}"),
         ]

@@ -55,10 +55,10 @@ class LoopConfig:
 
     def __post_init__(self) -> None:
         if self.groups_per_step < 1:
-            raise ConfigError(f"trainer.groups_per_step must be >= 1, got {self.groups_per_step}")
+            raise ConfigError(f"groups_per_step must be >= 1, got {self.groups_per_step}")
         for name in ("max_staleness", "max_steps", "checkpoint_every"):
             if getattr(self, name) < 0:
-                raise ConfigError(f"trainer.{name} must be >= 0, got {getattr(self, name)}")
+                raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
 
 
 def uniform_rewards(group: TrajectoryGroup) -> bool:

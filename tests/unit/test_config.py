@@ -18,7 +18,7 @@ class Inner:
 
     def __post_init__(self):
         if self.lr <= 0:
-            raise ConfigError(f"inner.lr must be > 0, got {self.lr}")
+            raise ConfigError(f"lr must be > 0, got {self.lr}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -100,3 +100,10 @@ def test_an_unknown_preset_names_the_choices():
 
     with pytest.raises(ConfigError, match="algo must be one of .*'ppo'"):
         preset("ppo2")
+
+
+def test_a_nested_section_s_own_check_is_reported_at_its_config_path():
+    from consumers.trainer import TrainerSettings
+
+    with pytest.raises(ConfigError, match=r"^learner\.algorithm\.loss\.clip_low must be in"):
+        load_config(TrainerSettings, env={}, overrides=["learner.algorithm.loss.clip_low=3"])

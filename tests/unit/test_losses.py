@@ -213,17 +213,17 @@ def test_composed_accumulation_is_exact(objective, aggregation):
 
 
 @pytest.mark.parametrize("kwargs, field", [
-    (dict(clip_low=0.2, clip_high=0.1), "rl.clip_high must be >= clip_low"),
-    (dict(objective="reinforce"), "rl.objective"),
-    (dict(aggregation="sum"), "rl.aggregation"),
-    (dict(is_level="row"), "rl.is_level"),
-    (dict(is_mode="clip"), "rl.is_mode"),
-    (dict(is_upper=0.5), "rl.is_upper"),
-    (dict(is_lower=0.5), "rl.is_lower only applies"),
-    (dict(is_mode="mask", is_lower=1.5), "rl.is_lower must be"),
-    (dict(kl_coef=-0.1), "rl.kl_coef"),
-    (dict(kl_kind="k4"), "rl.kl_kind"),
-    (dict(entropy_coef=-1.0), "rl.entropy_coef"),
+    (dict(clip_low=0.2, clip_high=0.1), "clip_high must be >= clip_low"),
+    (dict(objective="reinforce"), "objective"),
+    (dict(aggregation="sum"), "aggregation"),
+    (dict(is_level="row"), "is_level"),
+    (dict(is_mode="clip"), "is_mode"),
+    (dict(is_upper=0.5), "is_upper"),
+    (dict(is_lower=0.5), "is_lower only applies"),
+    (dict(is_mode="mask", is_lower=1.5), "is_lower must be"),
+    (dict(kl_coef=-0.1), "kl_coef"),
+    (dict(kl_kind="k4"), "kl_kind"),
+    (dict(entropy_coef=-1.0), "entropy_coef"),
 ])
 def test_loss_settings_validation_names_the_field(kwargs, field):
     with pytest.raises(ConfigError, match=field):

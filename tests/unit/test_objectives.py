@@ -123,12 +123,12 @@ def test_registry_and_unknown_objective():
 
 
 @pytest.mark.parametrize("kwargs, field", [
-    (dict(clip_low=0.2, clip_high=0.1), "rl.clip_high must be >= clip_low"),
-    (dict(clip_low=-0.1), "rl.clip_low"),
-    (dict(clip_low=1.5, clip_high=2.0), "rl.clip_low"),
-    (dict(dual_clip=1.0), "rl.dual_clip"),
-    (dict(seq_clip_low=2.0), "rl.seq_clip_low"),
-    (dict(seq_clip_high=-1e-4), "rl.seq_clip_high"),
+    (dict(clip_low=0.2, clip_high=0.1), "clip_high must be >= clip_low"),
+    (dict(clip_low=-0.1), "clip_low"),
+    (dict(clip_low=1.5, clip_high=2.0), "clip_low"),
+    (dict(dual_clip=1.0), "dual_clip"),
+    (dict(seq_clip_low=2.0), "seq_clip_low"),
+    (dict(seq_clip_high=-1e-4), "seq_clip_high"),
 ])
 def test_settings_validation_names_the_field(kwargs, field):
     with pytest.raises(ConfigError, match=field):
