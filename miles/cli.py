@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import logging
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -128,7 +129,9 @@ def _add_rl_commands(sub: argparse._SubParsersAction) -> None:
     feed.add_argument("--limit", type=int, default=None)
 
     for name, text in (("produce", "run a rollout producer (python -m producers.rollout)"),
-                       ("train", "run the trainer (torchrun -m consumers.trainer)")):
+                       ("train", "run the trainer (torchrun -m consumers.trainer)"),
+                       ("replay", "train a fresh trainer on a recorded trajectories topic "
+                                  "(--config/--set/--algo as the trainer)")):
         daemon = sub.add_parser(name, help=text, add_help=False)
         daemon.add_argument("rest", nargs=argparse.REMAINDER)
 
@@ -187,6 +190,26 @@ def _demo(args: argparse.Namespace) -> int:
     return main_demo(load_config(DemoConfig, overrides=overrides, base=base))
 
 
+def _replay(argv: list[str]) -> int:
+    from miles.config import log_config, parse_config_args
+    from miles.trainer.replay import ReplaySettings, run_replay
+
+    logging.basicConfig(level=logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        settings = parse_config_args(ReplaySettings, argv, prog="miles replay",
+                                     description="Train a fresh trainer on a recorded "
+                                                 "trajectories topic.",
+                                     algo_at="learner.algorithm")
+        log_config(settings)
+        summary = asyncio.run(run_replay(settings))
+    except MilesError as err:
+        print(f"miles replay: error: {err}", file=sys.stderr)
+        return 2
+    print(json.dumps(summary, indent=2))
+    return 0
+
+
 def _algorithms(args: argparse.Namespace) -> int:
     from miles.rl.algorithm import PRESETS
 
@@ -207,10 +230,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    if argv and argv[0] in ("produce", "train"):  # the daemons parse their own flags
+    if argv and argv[0] in ("produce", "train", "replay"):  # settings-file commands
         if argv[0] == "produce":
             from producers.rollout import main as produce
             return produce(argv[1:])
+        if argv[0] == "replay":
+            return _replay(argv[1:])
         from consumers.trainer import main as train
         return train(argv[1:])
     args = build_parser().parse_args(argv)
