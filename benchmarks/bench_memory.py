@@ -3,6 +3,7 @@
 Run by hand (not a test), from the repository root:
 
     python benchmarks/bench_memory.py [--layers 20] [--hidden 1024] [--rows 8] [--tokens 64]
+                                      [--mini-batches 1]
 
 A Llama-style model (default: hidden 1024, MLP 2560, 20 layers, 16 heads, vocab 32,000, untied
 LM head: ~307M parameters, fp32) is built from a config and saved with `save_pretrained` (with
@@ -15,12 +16,14 @@ takes one training step on `--rows` x `--tokens` tokens:
               samples (prompt: the first half of the tokens, response: the rest; random ids,
               behaviour logprobs -1, rewards 0/1 alternating): one forward+backward over the
               whole batch (proximal logprobs = the detached training logprobs), one AdamW step
-  ppo-lora    the same `Learner` with preset "ppo" plus `loss.kl_coef` 0.05 and
-              `mini_batches` 2: actor and critic adapters and a value head on one base copy
-              (`miles.trainer.critic`); before the first update, no-grad forwards for the
-              proximal logprobs, the reference logprobs (adapters disabled) and the old values
-              (GAE); then per mini-batch (one group) the actor loss (PPO-clip + k3 KL) plus the
-              clipped value loss, one backward, one AdamW step over both adapters and the head
+  ppo-lora    the same `Learner` with preset "ppo" plus `loss.kl_coef` 0.05: actor and critic
+              adapters and a value head on one base copy (`miles.trainer.critic`); before the
+              update, no-grad forwards for the reference logprobs (adapters disabled) and the
+              old values (GAE); then the actor loss (PPO-clip + k3 KL) and its backward, the
+              clipped value loss and its backward, one AdamW step over both adapters and the
+              head
+  (both LoRA setups split the batch into `--mini-batches` optimizer steps, default 1, so they
+  backpropagate the same rows at a time; with more, proximal logprobs are recomputed first)
   naive       hand-written, four full copies: actor (full fine-tune, AdamW), critic (the base
               decoder without LM head + a value head, AdamW), reference and old policy
               (frozen); random tokens (the second half of each row is the "response"), the
@@ -37,9 +40,6 @@ Memory is the process's resident set (`VmHWM`/`VmRSS` in /proc/self/status, GiB 
               (`/proc/self/clear_refs` 5), so loading transients (the safetensors mmap) do not
               count; the whole-process peak (`ru_maxrss`) is printed too
 The ratios use the step peak, in total and above the import baseline (libraries, same in all).
-ppo-lora backpropagates one mini-batch (half the rows) at a time and grpo-lora the whole batch,
-which favours ppo-lora in the first ratio; in one ppo-lora backward the actor's and the
-critic's activations are both alive (one summed loss), unlike naive's two backwards.
 On one rank the Learner's FSDP2 "shards" are whole parameters, and each unit's all-gather
 makes a transient unsharded copy (the root unit, embeddings and LM head, stays gathered through
 the forward and backward): the LoRA setups pay that (~0.3 GiB at the default size), the naive
@@ -168,19 +168,19 @@ def make_groups(rows: int, tokens: int, vocab: int) -> list:
             for g in range(GROUPS)]
 
 
-def algorithm_config(name: str):
-    """The preset `name`; PPO also gets the KL term (reference forward) and two mini-batches
-    (proximal logprobs recomputed before the first update)."""
+def algorithm_config(name: str, mini_batches: int):
+    """The preset `name` in `mini_batches` optimizer steps; PPO also gets the KL term (a
+    reference forward)."""
     from miles.config import build
     from miles.rl.algorithm import AlgorithmConfig, preset
 
-    config = build(AlgorithmConfig, preset(name))
+    config = replace(build(AlgorithmConfig, preset(name)), mini_batches=mini_batches)
     if name == "ppo":
-        config = replace(config, mini_batches=2, loss=replace(config.loss, kl_coef=KL_COEF))
+        config = replace(config, loss=replace(config.loss, kl_coef=KL_COEF))
     return config
 
 
-def learner_setup(algorithm: str):
+def learner_setup(algorithm: str, mini_batches: int):
     """Setups (i) and (ii): a `Learner` (FSDP2, one gloo rank) running preset `algorithm`;
     returns a step function that runs `train_step` on the synthetic groups and checks it."""
 
@@ -188,8 +188,9 @@ def learner_setup(algorithm: str):
         from miles.trainer.learner import Learner, LearnerConfig
         from miles.trainer.model import LoraSettings
 
-        learner = Learner(model_dir, LearnerConfig(lr=LR, algorithm=algorithm_config(algorithm)),
-                          lora=LoraSettings(r=16, alpha=32))
+        learner = Learner(model_dir, LearnerConfig(
+            lr=LR, algorithm=algorithm_config(algorithm, mini_batches)),
+            lora=LoraSettings(r=16, alpha=32))
         groups = make_groups(rows, tokens, vocab)
 
         def step():
@@ -248,7 +249,8 @@ def naive(model_dir: Path, rows: int, tokens: int, vocab: int):
     return step
 
 
-def child(setup: str, model_dir: Path, rows: int, tokens: int, vocab: int) -> dict:
+def child(setup: str, model_dir: Path, rows: int, tokens: int, vocab: int,
+          mini_batches: int) -> dict:
     """Load `setup`, take one step; the memory report (KiB read from /proc, seconds)."""
     from miles.trainer import distributed
 
@@ -257,7 +259,8 @@ def child(setup: str, model_dir: Path, rows: int, tokens: int, vocab: int) -> di
     torch.set_num_threads(2)
     torch.manual_seed(0)
     imported = status_kib("VmRSS")
-    setups = {"grpo-lora": learner_setup("grpo"), "ppo-lora": learner_setup("ppo"),
+    setups = {"grpo-lora": learner_setup("grpo", mini_batches),
+              "ppo-lora": learner_setup("ppo", mini_batches),
               "naive": naive}
     step = setups[setup](model_dir, rows, tokens, vocab)
     loaded = status_kib("VmRSS")
@@ -285,7 +288,8 @@ def report(results: list[dict], params: int, args) -> None:
     gib = lambda kib: kib * 1024 / GIB  # noqa: E731
     print(f"model: Llama-style, {params / 1e6:.0f}M parameters (fp32, {params * 4 / GIB:.2f} GiB "
           f"per copy), {args.layers} layers, hidden {args.hidden}, MLP {args.mlp}, vocab "
-          f"{args.vocab}; batch {args.rows} x {args.tokens} tokens; torch threads 2")
+          f"{args.vocab}; batch {args.rows} x {args.tokens} tokens, {args.mini_batches} "
+          f"mini-batch(es) in the LoRA setups; torch threads 2")
     print(f"{'setup':<10} {'import':>8} {'loaded':>8} {'step peak':>10} {'process peak':>13} "
           f"{'step s':>7}   (GiB)")
     for r in results:
@@ -309,6 +313,7 @@ def main() -> None:
     parser.add_argument("--vocab", type=int, default=32000)
     parser.add_argument("--rows", type=int, default=8)
     parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--mini-batches", type=int, default=1)
     parser.add_argument("--setups", default=",".join(SETUPS))
     parser.add_argument("--child", choices=SETUPS, help=argparse.SUPPRESS)
     parser.add_argument("--build", action="store_true", help=argparse.SUPPRESS)
@@ -323,10 +328,11 @@ def main() -> None:
         print(json.dumps({"params": build_model(args.model_dir, **shape)}))
         return
     if args.child:
-        print(json.dumps(child(args.child, args.model_dir, args.rows, args.tokens, args.vocab)))
+        print(json.dumps(child(args.child, args.model_dir, args.rows, args.tokens, args.vocab,
+                               args.mini_batches)))
         return
-    common = [f"--{k}={v}" for k, v in shape.items()] + [f"--rows={args.rows}",
-                                                          f"--tokens={args.tokens}"]
+    common = [f"--{k}={v}" for k, v in shape.items()] + [
+        f"--rows={args.rows}", f"--tokens={args.tokens}", f"--mini-batches={args.mini_batches}"]
     with tempfile.TemporaryDirectory(prefix="bench-memory-") as tmp:
         params = run_child([*common, "--build", f"--model-dir={tmp}"])["params"]
         results = [run_child([*common, f"--child={setup}", f"--model-dir={tmp}"])
