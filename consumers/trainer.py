@@ -32,8 +32,8 @@ class TrainerSettings:
 
 
 def parse_args(argv=None) -> TrainerSettings:
-    return parse_config_args(TrainerSettings, argv, prog="consumers.trainer", description=__doc__.splitlines()[0],
-                             algo_at="learner.algorithm")
+    return parse_config_args(TrainerSettings, argv, prog="consumers.trainer",
+                             description=__doc__.splitlines()[0], algo_at="learner.algorithm")
 
 
 def build_runner(settings: TrainerSettings):

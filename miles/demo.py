@@ -62,7 +62,8 @@ class DemoConfig:
     model_dir: Path | None = None  # a checkpoint to start from (default: the built tiny model)
     prompts: str = "arithmetic"  # a built-in task (arithmetic, arithmetic-plain) or a JSONL file
     eval_prompts: str | None = None  # JSONL for held-out evaluation (default: `prompts`' test)
-    reward: str = "exact_match"
+    reward: str = "exact_match"  # exact_match, math, format[:REGEX], rm:PATH or module:function
+    reward_timeout_s: float = 10.0  # per reward call; a timed-out sample gets 0.0 and an error
     rl_seconds: float = 120.0
     max_staleness: int = 1
     eval_every_s: float = 10.0
@@ -112,7 +113,7 @@ async def run_embedded(config: DemoConfig, model_dir: Path, evaluator: Evaluator
     """Producer and trainer in this process on the embedded bus, for `rl_seconds`."""
     bus = evaluator.bus
     engine = HFEngine(model_dir, lora=config.lora)
-    worker = RolloutWorker(bus, engine, resolve_reward(config.reward), config.rollout())
+    worker = RolloutWorker(bus, engine, evaluator.scorer, config.rollout())
     learner = Learner(model_dir, config.learner, lora=config.lora)
     trainer = TrainerLoop(bus, StepRunner(learner, config.loop(), base_model=str(model_dir)))
     started = time.monotonic()
@@ -129,7 +130,8 @@ async def run_embedded(config: DemoConfig, model_dir: Path, evaluator: Evaluator
 def daemon_settings(config: DemoConfig, model_dir: Path):
     """The producer's and the trainer's settings for this demo, as the daemons read them."""
     producer = ProducerSettings(bus=config.bus, model_dir=model_dir, lora=config.lora,
-                                reward=config.reward, torch_threads=1, rollout=config.rollout())
+                                reward=config.reward, reward_timeout_s=config.reward_timeout_s,
+                                torch_threads=1, rollout=config.rollout())
     trainer = TrainerSettings(bus=config.bus, model_dir=model_dir, lora=config.lora,
                               torch_threads=1, learner=config.learner,
                               loop=config.loop())
@@ -183,7 +185,8 @@ async def run_demo(config: DemoConfig, stop: asyncio.Event) -> dict:
         await feed(bus, config.run, load_problems(config.prompts, "train"), epochs=2)
         evaluator = Evaluator(bus, config.run, model_dir, config.lora,
                               held_out[:config.eval_problems], every_s=config.eval_every_s,
-                              reward=resolve_reward(config.reward))
+                              scorer=resolve_reward(config.reward,
+                                                    timeout_s=config.reward_timeout_s))
         async with evaluator:
             initial = await evaluator.measure(held_out)
             run = run_embedded if config.bus.startswith("embedded") else run_processes
@@ -191,7 +194,8 @@ async def run_demo(config: DemoConfig, stop: asyncio.Event) -> dict:
             await evaluator.load_final()
             final = await evaluator.measure(held_out)
     return build_report(config, result, evaluator.curve, initial=initial, final=final,
-                        held_out=len(held_out), warm_s=warm_s, wall_s=time.monotonic() - began)
+                        held_out=len(held_out), warm_s=warm_s, wall_s=time.monotonic() - began,
+                        model_dir=model_dir)
 
 
 def fresh_out_dir(out_dir: Path) -> None:
@@ -204,7 +208,8 @@ def fresh_out_dir(out_dir: Path) -> None:
 
 
 def build_report(config: DemoConfig, result: dict, curve: Curve, *, initial: float,
-                 final: float, held_out: int, warm_s: float, wall_s: float) -> dict:
+                 final: float, held_out: int, warm_s: float, wall_s: float,
+                 model_dir: Path) -> dict:
     trainer = last_metrics(config.out_dir / "metrics.jsonl")
     rl_s = result["rl_seconds"]
     lags = {int(k): v for k, v in trainer.get("trainer/lag_histogram", {}).items()}
@@ -213,7 +218,8 @@ def build_report(config: DemoConfig, result: dict, curve: Curve, *, initial: flo
     train_s = _metric_sum(config.out_dir / "metrics.jsonl", "trainer/step_s")
     generate_s = result["generate_s"]
     return {
-        "bus": config.bus, "run": config.run, "algo": config.learner.algorithm.name,
+        "bus": config.bus, "run": config.run, "model_dir": str(model_dir),
+        "algo": config.learner.algorithm.name,
         "max_staleness": config.max_staleness,
         "initial_accuracy": initial, "final_accuracy": final,
         "held_out_problems": held_out,

@@ -38,7 +38,7 @@ from miles.trainer import distributed
 from miles.trainer.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from miles.trainer.learner import Learner
 from miles.trainer.progress import Progress
-from miles.weights.store import write_version
+from miles.weights.store import prune_versions, write_version
 
 log = logging.getLogger(__name__)
 
@@ -51,12 +51,13 @@ class LoopConfig:
     max_staleness: int = 1  # groups with lag > this are dropped; 0 = strictly on-policy
     max_steps: int = 0  # stop after this many steps in total (0: run until stopped)
     checkpoint_every: int = 10  # steps between checkpoints (0: only at the end)
+    keep_versions: int = 16  # newest weight versions kept in out_dir/weights (0: all)
     heartbeat_s: float = 1.0  # status-topic heartbeat period while waiting for data
 
     def __post_init__(self) -> None:
         if self.groups_per_step < 1:
             raise ConfigError(f"groups_per_step must be >= 1, got {self.groups_per_step}")
-        for name in ("max_staleness", "max_steps", "checkpoint_every"):
+        for name in ("max_staleness", "max_steps", "checkpoint_every", "keep_versions"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
 
@@ -103,9 +104,11 @@ class StepRunner:
         if not distributed.is_main():
             self.learner.export_weights(self.weights_dir)  # the gather is collective
             return None
-        return write_version(self.weights_dir, policy_version=self.learner.policy_version,
-                             step=step, base_model=self.base_model,
-                             write=self.learner.export_weights, fmt=self.learner.weights_format)
+        record = write_version(self.weights_dir, policy_version=self.learner.policy_version,
+                               step=step, base_model=self.base_model,
+                               write=self.learner.export_weights, fmt=self.learner.weights_format)
+        prune_versions(self.weights_dir, self.config.keep_versions)
+        return record
 
     def step(self, payload: bytes) -> tuple[dict[str, float], WeightVersion | None] | None:
         """Run one step message broadcast by rank 0; None when the message says stop."""

@@ -59,6 +59,20 @@ def write_version(store: Path, *, policy_version: int, step: int, base_model: st
                          base_model=base_model, created_at=time.time())
 
 
+def prune_versions(store: Path, keep: int) -> list[Path]:
+    """Delete all but the newest `keep` complete versions of `store` (0 keeps everything);
+    returns what was deleted. A producer still fetching a deleted version fails that load and
+    keeps its weights until the next announcement."""
+    if keep <= 0:
+        return []
+    versions = sorted(p for p in Path(store).glob("v*") if p.is_dir()
+                      and not p.name.endswith(".tmp"))
+    old = versions[:-keep]
+    for path in old:
+        shutil.rmtree(path, ignore_errors=True)
+    return old
+
+
 def fetch_version(version: WeightVersion) -> Path:
     """The local folder of `version`, after checking the file's presence, size and sha256."""
     parsed = urlparse(version.uri)

@@ -64,3 +64,16 @@ def test_fetch_rejects_other_schemes(tmp_path):
                            write=write_fake_adapter)
     with pytest.raises(WeightsError, match="only file://"):
         fetch_version(replace(record, uri="s3://bucket/x.safetensors"))
+
+
+def test_pruning_keeps_the_newest_versions(tmp_path):
+    from miles.weights.store import prune_versions
+
+    for v in range(5):
+        write_version(tmp_path, policy_version=v, step=v, base_model="m", write=write_fake_adapter)
+    (tmp_path / "v00000009.tmp").mkdir()  # a version being written is never touched
+    assert prune_versions(tmp_path, 0) == []
+    deleted = prune_versions(tmp_path, 2)
+    assert [p.name for p in deleted] == ["v00000000", "v00000001", "v00000002"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["v00000003", "v00000004",
+                                                          "v00000009.tmp"]
