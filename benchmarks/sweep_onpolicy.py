@@ -11,7 +11,7 @@ accuracy on 500 problems. Prints the settings, the time (evaluation excluded) an
 `--algo` picks an algorithm preset (`miles algorithms` lists them); `--task` a built-in task
 (`arithmetic`: reversed answers, `arithmetic-plain`) or a JSONL prompt file.
 """
-import time, torch, numpy as np, random
+import asyncio, time, torch, numpy as np, random
 from miles.engines.base import LoraSettings
 from miles.engines.hf import HFEngine
 from miles.trainer.learner import Learner, LearnerConfig
@@ -36,7 +36,7 @@ L=Learner(a.model, LearnerConfig(lr=a.lr, betas=(0.9,a.beta2), algorithm=build(A
 train=load_problems(a.task, "train"); random.Random(0).shuffle(train)
 test=load_problems(a.task, "test")[:500]
 sp=SamplingParams(n=a.n, temperature=a.temp, max_new_tokens=5)
-t0=time.time(); acc=[(0, round(greedy_accuracy(eng,test),3))]; ev=0
+t0=time.time(); acc=[(0, round(asyncio.run(greedy_accuracy(eng,test)),3))]; ev=0
 for step in range(a.steps):
     probs=train[step*a.groups:(step+1)*a.groups]
     outs=eng.generate([eng.encode(p.prompt) for p in probs], sp, seed=step)
@@ -50,5 +50,5 @@ for step in range(a.steps):
     m=L.train_step(groups)
     L.export_weights(ADAPTER_DIR); eng.load_adapter(ADAPTER_DIR, L.policy_version)
     if (step+1)%20==0:
-        t=time.time(); acc.append((step+1, round(greedy_accuracy(eng,test),3), round(m["trainer/reward_mean"],3))); ev+=time.time()-t
+        t=time.time(); acc.append((step+1, round(asyncio.run(greedy_accuracy(eng,test)),3), round(m["trainer/reward_mean"],3))); ev+=time.time()-t
 print(vars(a), "time", round(time.time()-t0-ev,1), acc, flush=True)

@@ -1,7 +1,8 @@
 """Held-out evaluation: greedy accuracy of announced weight versions on a list of problems.
 
 Greedy decoding is `top_k=1` sampling (the argmax token) through the same engine the producers
-use, so evaluation sees exactly the weights and the tokenisation that generated the training data.
+use, so evaluation sees exactly the weights and the tokenisation that generated the training data;
+a problem counts as solved when the run's reward `Scorer` gives its answer a positive reward.
 The `Evaluator` is one more consumer of the run's topics, in its own consumer groups: it follows
 the control topic, loads each newer version (sha256-verified) at most every `every_s` seconds,
 measures it, and keeps the curve; from the status topic it keeps the producers' generation time.
@@ -23,25 +24,34 @@ from miles.protocol.topics import topic_name
 from miles.rl.sampling import SamplingParams
 from miles.service import wait_or_stop
 from miles.tasks.arithmetic import Problem
-from miles.tasks.rewards import RewardFn, exact_match
+from miles.tasks.rewards import Scorer, exact_match
 from miles.weights.store import fetch_version
 
 log = logging.getLogger(__name__)
 EVAL_BATCH = 256
 
 
-def greedy_accuracy(engine: RolloutEngine, problems: list[Problem], *,
-                    reward: RewardFn = exact_match, max_new_tokens: int = 8) -> float:
-    """Fraction of `problems` whose greedy answer earns a positive reward."""
+def greedy_answers(engine: RolloutEngine, problems: list[Problem], *,
+                   max_new_tokens: int = 8) -> list[str]:
+    """The greedy response to each problem, decoded and cut at end-of-sequence (blocking)."""
     params = SamplingParams(n=1, temperature=1.0, top_k=1, max_new_tokens=max_new_tokens)
+    outputs = engine.generate([engine.encode(p.prompt) for p in problems], params, seed=0)
+    return [engine.decode(c.token_ids[:-1] if c.finish_reason == "stop" else c.token_ids)
+            for (c,) in outputs]
+
+
+async def greedy_accuracy(engine: RolloutEngine, problems: list[Problem], *,
+                          scorer: Scorer | None = None, max_new_tokens: int = 8) -> float:
+    """Fraction of `problems` whose greedy answer earns a positive reward (default scorer:
+    `exact_match`); generation runs in a worker thread, `EVAL_BATCH` problems at a time."""
+    scorer = scorer or Scorer(exact_match)
     correct = 0
     for start in range(0, len(problems), EVAL_BATCH):
         chunk = problems[start:start + EVAL_BATCH]
-        outputs = engine.generate([engine.encode(p.prompt) for p in chunk], params, seed=0)
-        for problem, (completion,) in zip(chunk, outputs):
-            ids = completion.token_ids
-            text = engine.decode(ids[:-1] if completion.finish_reason == "stop" else ids)
-            correct += reward(text, problem.answer) > 0
+        texts = await asyncio.to_thread(greedy_answers, engine, chunk,
+                                        max_new_tokens=max_new_tokens)
+        scored = await scorer.score(texts, [p.answer for p in chunk], [p.prompt for p in chunk])
+        correct += sum(s.reward > 0 for s in scored)
     return correct / max(len(problems), 1)
 
 
@@ -55,11 +65,11 @@ class Curve:
 
 class Evaluator:
     def __init__(self, bus: Bus, run: str, model_dir: Path, lora: LoraSettings | None,
-                 problems: list[Problem], *, every_s: float, reward: RewardFn = exact_match):
+                 problems: list[Problem], *, every_s: float, scorer: Scorer | None = None):
         from miles.engines.hf import HFEngine
 
         self.bus, self.run, self.problems, self.every_s = bus, run, problems, every_s
-        self.reward = reward
+        self.scorer = scorer or Scorer(exact_match)
         self.engine = HFEngine(model_dir, lora=lora)
         self.curve = Curve()
         self.announced = -1  # newest version seen on the control topic
@@ -86,8 +96,7 @@ class Evaluator:
     async def measure(self, problems: list[Problem] | None = None) -> float:
         """Greedy accuracy of the loaded weights on `problems` (default: the curve's)."""
         problems = self.problems if problems is None else problems
-        accuracy = await asyncio.to_thread(greedy_accuracy, self.engine, problems,
-                                           reward=self.reward)
+        accuracy = await greedy_accuracy(self.engine, problems, scorer=self.scorer)
         log.info("held-out accuracy %.3f on %d problems at version %d", accuracy, len(problems),
                  self.engine.policy_version)
         return accuracy

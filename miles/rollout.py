@@ -2,9 +2,11 @@
 
 Three loops share one engine:
 - generation: take a batch of `PromptTask`s (the producers' consumer group shares them), sample
-  `n` responses each in the engine's executor thread, score them, publish one `TrajectoryGroup`
-  per prompt, then commit the prompts. A producer killed before the commit has its prompts
-  re-delivered to another producer (at-least-once generation; each group has a unique id).
+  `n` responses each in the engine's executor thread, score each group with one `Scorer` call
+  (groups one after another: a reward model's call never waits, timer running, behind another),
+  publish one `TrajectoryGroup` per prompt, then commit the prompts. A producer killed before the
+  commit has its prompts re-delivered to another producer (at-least-once generation; each group
+  has a unique id).
 - control: read the control topic from its start, catch up, then load the newest `WeightVersion`
   after checking its sha256; obey pause/resume/drain/stop `Command`s. A version that fails to
   load is reported and skipped: the worker keeps generating with the weights it has.
@@ -37,7 +39,7 @@ from miles.protocol import (ALL_TARGETS, Command, Heartbeat, PromptTask, Sample,
 from miles.protocol.topics import topic_name
 from miles.rl.sampling import SamplingParams
 from miles.service import wait_or_stop
-from miles.tasks.rewards import RewardFn
+from miles.tasks.rewards import Scored, Scorer
 from miles.weights.store import fetch_version
 
 log = logging.getLogger(__name__)
@@ -79,10 +81,10 @@ def admitted(*, loaded_version: int, trainer: TrainerView, in_flight: int, batch
 
 
 class RolloutWorker:
-    def __init__(self, bus: Bus, engine: RolloutEngine, reward: RewardFn, config: RolloutConfig):
+    def __init__(self, bus: Bus, engine: RolloutEngine, scorer: Scorer, config: RolloutConfig):
         self.bus = bus
         self.engine = engine
-        self.reward = reward
+        self.scorer = scorer
         self.config = config
         self.trainer = TrainerView()
         self.paused = False
@@ -159,7 +161,7 @@ class RolloutWorker:
         completions = await self._in_engine(self.engine.generate, prompts, self.config.sampling,
                                             seed=self.config.seed * 1_000_003 + self._sequence)
         generated = time.perf_counter()
-        groups = [self._group(task, prompt, outs, generated - began)
+        groups = [await self._group(task, prompt, outs, generated - began)
                   for task, prompt, outs in zip(tasks, prompts, completions)]
         pending = [await self.bus.send(self._topic("trajectories"), encode(g),
                                        key=g.task_id.encode()) for g in groups]
@@ -177,10 +179,14 @@ class RolloutWorker:
             return task.prompt_token_ids.tolist()
         return self.engine.encode(task.prompt)
 
-    def _group(self, task: PromptTask, prompt: list[int], completions: list[Completion],
-               generate_s: float) -> TrajectoryGroup:
+    async def _group(self, task: PromptTask, prompt: list[int], completions: list[Completion],
+                     generate_s: float) -> TrajectoryGroup:
         began = time.perf_counter()
-        samples = [self._sample(task, c) for c in completions]
+        n = len(completions)
+        texts = [self.engine.decode(c.token_ids[:-1] if c.finish_reason == "stop"
+                                    else c.token_ids) for c in completions]
+        scored = await self.scorer.score(texts, [task.reference] * n, [task.prompt] * n)
+        samples = [self._sample(c, s) for c, s in zip(completions, scored, strict=True)]
         return TrajectoryGroup(
             group_id=f"{task.task_id}/e{task.epoch}/{self.config.producer_id}/{self._sequence}",
             task_id=task.task_id, prompt_token_ids=np.asarray(prompt, dtype=np.int32),
@@ -190,19 +196,13 @@ class RolloutWorker:
             timings={"generate_s": generate_s, "reward_s": time.perf_counter() - began},
             created_at=time.time())
 
-    def _sample(self, task: PromptTask, completion: Completion) -> Sample:
+    @staticmethod
+    def _sample(completion: Completion, scored: Scored) -> Sample:
         ids = completion.token_ids
-        text_ids = ids[:-1] if completion.finish_reason == "stop" else ids
-        error = None
-        try:
-            reward = float(self.reward(self.engine.decode(text_ids), task.reference))
-            if not np.isfinite(reward):
-                raise ValueError(f"reward is not finite: {reward}")
-        except Exception as err:  # noqa: BLE001 - a user reward must never stop the producer
-            reward, error = 0.0, f"reward failed: {type(err).__name__}: {err}"
         return Sample(response_token_ids=ids, logprobs=completion.logprobs,
                       versions=np.full(len(ids), completion.policy_version, dtype=np.int32),
-                      reward=reward, finish_reason=completion.finish_reason, error=error)
+                      reward=scored.reward, finish_reason=completion.finish_reason,
+                      error=scored.error)
 
     # -- control ------------------------------------------------------------------------------
 

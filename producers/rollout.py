@@ -25,7 +25,8 @@ class ProducerSettings:
     engine: str = "hf"  # rollout engine: hf
     device: str = "cpu"
     lora: LoraSettings | None = field(default_factory=LoraSettings)  # None: full weights
-    reward: str = "exact_match"  # built-in name or package.module:function
+    reward: str = "exact_match"  # exact_match, math, format[:REGEX], rm:PATH or module:function
+    reward_timeout_s: float = 10.0  # per reward call; a timed-out sample gets 0.0 and an error
     torch_threads: int = 0  # 0 leaves torch's default
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
 
@@ -43,9 +44,10 @@ async def run_producer(settings: ProducerSettings, stop) -> dict:
 
     if settings.torch_threads:
         torch.set_num_threads(settings.torch_threads)
+    scorer = resolve_reward(settings.reward, timeout_s=settings.reward_timeout_s)
     engine = HFEngine(settings.model_dir, device=settings.device, lora=settings.lora)
     async with open_bus(settings.bus) as bus:
-        worker = RolloutWorker(bus, engine, resolve_reward(settings.reward), settings.rollout)
+        worker = RolloutWorker(bus, engine, scorer, settings.rollout)
         await worker.run(stop)
     log.info("producer stopped: %s", worker.counts)
     return dict(worker.counts)

@@ -23,6 +23,7 @@ from miles.rl.algorithm import AlgorithmConfig
 from miles.rl.sampling import SamplingParams
 from miles.rollout import RolloutConfig, RolloutWorker
 from miles.tasks.arithmetic import arithmetic_problems
+from miles.tasks.rewards import Scorer
 from miles.tasks.tiny_model import build_tiny_model
 from miles.trainer import distributed
 from miles.trainer.learner import Learner, LearnerConfig
@@ -57,7 +58,7 @@ async def run_loop(model_dir, out_dir, *, max_staleness: int, lora: LoraSettings
         await bus.create_topics(run_topics(run, prompt_partitions=2, trajectory_partitions=2))
         await feed(bus, run, arithmetic_problems("train")[:200])
         engine = HFEngine(model_dir, lora=lora)
-        worker = RolloutWorker(bus, engine, reward, RolloutConfig(
+        worker = RolloutWorker(bus, engine, Scorer(reward), RolloutConfig(
             run=run, sampling=SamplingParams(n=4, max_new_tokens=4), prompts_per_batch=PER_STEP,
             groups_per_step=PER_STEP, max_staleness=max_staleness, heartbeat_s=0.2))
         learner = Learner(model_dir, LearnerConfig(lr=1e-2 if lora else 1e-4,

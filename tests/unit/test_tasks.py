@@ -35,8 +35,8 @@ def test_exact_match():
 
 
 def test_resolve_reward():
-    assert resolve_reward("exact_match") is exact_match
-    assert resolve_reward("miles.tasks.rewards:exact_match") is exact_match
+    assert resolve_reward("exact_match").fn is exact_match
+    assert resolve_reward("miles.tasks.rewards:exact_match").fn is exact_match
     for bad in ("nope", "miles.tasks.rewards:missing", "no.such.module:f"):
         with pytest.raises(ConfigError):
             resolve_reward(bad)
