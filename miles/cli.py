@@ -218,6 +218,85 @@ def _algorithms(args: argparse.Namespace) -> int:
     return 0
 
 
+RANGE_HELP = "earliest, latest, an offset (in every partition), @EPOCH_MS or an ISO 8601 time"
+
+
+def _add_experience_commands(sub: argparse._SubParsersAction) -> None:
+    from miles.protocol.topics import KINDS
+
+    export = sub.add_parser("export", help="write a range of a run's trajectories to JSONL or "
+                                           "Parquet, one row per sample")
+    stats = sub.add_parser("stats", help="summarise a range of a run's trajectories")
+    tail = sub.add_parser("tail", help="print a run's records as they arrive")
+    for parser in (export, stats, tail):
+        parser.add_argument("--bus", required=True, help="kafka://HOST:PORT")
+        parser.add_argument("--run", required=True, help="run name: topics are miles.RUN.*")
+    for parser in (export, stats):
+        parser.add_argument("--from", dest="start", default="earliest",
+                            help=f"first record (inclusive): {RANGE_HELP}")
+        parser.add_argument("--to", dest="end", default="latest",
+                            help=f"end of the range (exclusive): {RANGE_HELP}")
+    export.add_argument("--out", type=Path, required=True, help="file to write")
+    export.add_argument("--format", choices=("jsonl", "parquet"), default=None,
+                        help="default: from the file's suffix (.jsonl, .parquet)")
+    stats.add_argument("--json", action="store_true", help="print the summary as JSON")
+    tail.add_argument("--topic", choices=KINDS, default="trajectories")
+    tail.add_argument("--raw", action="store_true",
+                      help="show the msgpack envelope as plain data, unchecked")
+    tail.add_argument("--from", dest="start", default="latest",
+                      help=f"where to start: {RANGE_HELP}")
+    tail.add_argument("--limit", type=int, default=None, help="stop after this many records")
+
+
+def _reading_bus(url: str):
+    from miles.bus import open_bus
+    from miles.errors import ConfigError
+
+    if not url.startswith("kafka://"):
+        raise ConfigError(f"--bus must be kafka://HOST:PORT, got {url!r}: the embedded bus "
+                          "lives inside one process (call miles.experience from there)")
+    return open_bus(url)
+
+
+def _log_progress() -> None:
+    logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("miles").setLevel(logging.INFO)
+
+
+async def _export(args: argparse.Namespace) -> int:
+    from miles.experience import export
+
+    _log_progress()
+    async with _reading_bus(args.bus) as bus:
+        summary = await export(bus, args.run, args.start, args.end, args.out, args.format)
+    print(json.dumps(summary, indent=2))
+    return 0
+
+
+async def _stats(args: argparse.Namespace) -> int:
+    from miles.experience import format_stats, stats
+
+    _log_progress()
+    async with _reading_bus(args.bus) as bus:
+        summary = await stats(bus, args.run, args.start, args.end)
+    print(json.dumps(summary, indent=2) if args.json else format_stats(summary))
+    return 0
+
+
+def _tail(args: argparse.Namespace) -> int:
+    from miles.experience import tail
+    from miles.service import run_service
+
+    async def follow(stop: asyncio.Event) -> int:
+        async with _reading_bus(args.bus) as bus:
+            async for line in tail(bus, args.run, args.topic, raw=args.raw, start=args.start,
+                                   limit=args.limit, stop=stop):
+                print(line, flush=True)
+        return 0
+
+    return run_service(follow)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="miles", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -225,6 +304,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_topic_commands(sub)
     _add_smoke_command(sub)
     _add_rl_commands(sub)
+    _add_experience_commands(sub)
     return parser
 
 
@@ -254,6 +334,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _demo(args)
         if args.command == "algorithms":
             return _algorithms(args)
+        if args.command == "export":
+            return asyncio.run(_export(args))
+        if args.command == "stats":
+            return asyncio.run(_stats(args))
+        if args.command == "tail":
+            return _tail(args)
     except MilesError as err:
         print(f"miles {args.command}: error: {err}", file=sys.stderr)
         return 2

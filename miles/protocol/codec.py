@@ -75,6 +75,12 @@ def decode(data: bytes | bytearray | memoryview, expected: Expected = None) -> W
     return READERS[record_type](root)
 
 
+def unpack(data: bytes | bytearray | memoryview) -> object:
+    """The msgpack value in `data` as plain data (maps, lists, str, bytes, numbers), checking
+    nothing but msgpack itself and its size limits: for tools that show what is on the wire."""
+    return _unpack(data)
+
+
 def _reject_ext(code: int, data: bytes) -> object:
     raise ValueError(f"msgpack ext type {code} is not allowed")
 

@@ -1,0 +1,103 @@
+"""Trajectory groups as rows (one per sample), and the range reader export and stats share.
+
+A row holds every field of a sample and of its group (group fields repeat on each of the
+group's rows), where the record sat on the bus, and a few derived values (lengths, version
+range). The fixed columns are `COLUMNS`; the open-ended maps are flattened after them:
+`sampling` key `k` becomes column `sampling_k`, `timings` key `k` becomes `timing_k`.
+
+Simplifications:
+- Arrays stay numpy arrays (read-only views over the decoded record): each writer converts them
+  its own way, and nothing is copied into Python lists twice.
+- An invalid record in a range is logged, counted under the field the codec names and skipped:
+  an export or a summary never stops on bad data (the DLQ keeps the details).
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from collections import Counter
+from collections.abc import AsyncIterator
+
+from miles.bus.base import Bus, Record
+from miles.bus.ranges import Bound, parse_bound, read_range
+from miles.errors import CodecError
+from miles.protocol import TrajectoryGroup, decode
+
+log = logging.getLogger(__name__)
+
+COLUMNS: dict[str, str] = {
+    # where the record sat on the bus
+    "topic": "str", "partition": "int", "offset": "int", "timestamp_ms": "int",
+    # the group, repeated on each of its rows
+    "group_id": "str", "task_id": "str", "producer_id": "str", "engine": "str",
+    "vocab_size": "int", "reference": "str", "created_at": "float",
+    "prompt_token_ids": "ints", "prompt_length": "int", "group_size": "int",
+    "group_min_version": "int",
+    # the sample
+    "sample_index": "int", "reward": "float", "finish_reason": "str", "error": "str",
+    "response_token_ids": "ints", "logprobs": "floats", "versions": "ints",
+    "token_rewards": "floats", "response_length": "int", "min_version": "int",
+    "max_version": "int",
+}
+"""Fixed columns in order, with their kind: str, int, float, ints (int32 array), floats
+(float32 array). `reference`, `error` and `token_rewards` may be null, and the location columns
+are null in rows built without a record."""
+
+SAMPLING_PREFIX = "sampling_"
+TIMING_PREFIX = "timing_"
+
+
+def as_bound(bound: Bound | str) -> Bound:
+    return bound if isinstance(bound, Bound) else parse_bound(bound)
+
+
+def rows(group: TrajectoryGroup, record: Record | None = None) -> list[dict]:
+    """One row per sample of `group`, keys in `COLUMNS` order then the flattened maps;
+    the location columns are None without `record`."""
+    where = dict.fromkeys(("topic", "partition", "offset", "timestamp_ms"))
+    if record is not None:
+        where = {"topic": record.topic, "partition": record.partition,
+                 "offset": record.offset, "timestamp_ms": record.timestamp_ms}
+    extras = {f"{SAMPLING_PREFIX}{k}": v for k, v in group.sampling.items()}
+    extras.update({f"{TIMING_PREFIX}{k}": v for k, v in group.timings.items()})
+    out = []
+    for index, sample in enumerate(group.samples):
+        row = {
+            **where,
+            "group_id": group.group_id, "task_id": group.task_id,
+            "producer_id": group.producer_id, "engine": group.engine,
+            "vocab_size": group.vocab_size, "reference": group.reference,
+            "created_at": group.created_at, "prompt_token_ids": group.prompt_token_ids,
+            "prompt_length": len(group.prompt_token_ids), "group_size": len(group.samples),
+            "group_min_version": group.min_version,
+            "sample_index": index, "reward": sample.reward,
+            "finish_reason": sample.finish_reason, "error": sample.error,
+            "response_token_ids": sample.response_token_ids, "logprobs": sample.logprobs,
+            "versions": sample.versions, "token_rewards": sample.token_rewards,
+            "response_length": len(sample.response_token_ids),
+            "min_version": int(sample.versions.min()), "max_version": int(sample.versions.max()),
+        }
+        out.append(row | extras)
+    return out
+
+
+def reader_group(run: str, purpose: str) -> str:
+    """A fresh consumer group id: range reads commit nothing and share no group."""
+    return f"miles.{run}.{purpose}.{uuid.uuid4().hex[:12]}"
+
+
+async def read_groups(bus: Bus, topic: str, start: Bound, end: Bound, *, group_id: str,
+                      invalid: Counter[str], counts: dict | None = None
+                      ) -> AsyncIterator[tuple[Record, TrajectoryGroup | None]]:
+    """Every record of the range with its group, or None (counted in `invalid` under the
+    field the codec names, and logged) when it does not decode as a `TrajectoryGroup`."""
+    async for record in read_range(bus, topic, start, end, group_id=group_id, counts=counts):
+        try:
+            group = decode(record.value, TrajectoryGroup)
+        except CodecError as err:
+            invalid[err.field] += 1
+            log.warning("skipped invalid record %s[%d]@%d: %s", record.topic, record.partition,
+                        record.offset, err)
+            group = None
+        yield record, group
