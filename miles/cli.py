@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib
 import json
 import logging
 import sys
@@ -131,7 +132,11 @@ def _add_rl_commands(sub: argparse._SubParsersAction) -> None:
     for name, text in (("produce", "run a rollout producer (python -m producers.rollout)"),
                        ("train", "run the trainer (torchrun -m consumers.trainer)"),
                        ("replay", "train a fresh trainer on a recorded trajectories topic "
-                                  "(--config/--set/--algo as the trainer)")):
+                                  "(--config/--set/--algo as the trainer)"),
+                       ("evaluate", "follow a live run: stream rewards and held-out accuracy "
+                                    "(python -m consumers.evaluator)"),
+                       ("record", "archive a run's trajectories to Parquet files "
+                                  "(python -m consumers.recorder)")):
         daemon = sub.add_parser(name, help=text, add_help=False)
         daemon.add_argument("rest", nargs=argparse.REMAINDER)
 
@@ -308,16 +313,21 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _daemon(module: str):
+    def run(argv: list[str]) -> int:
+        return importlib.import_module(module).main(argv)
+    return run
+
+
+SETTINGS_COMMANDS = {"produce": _daemon("producers.rollout"), "train": _daemon("consumers.trainer"),
+                     "evaluate": _daemon("consumers.evaluator"),
+                     "record": _daemon("consumers.recorder"), "replay": _replay}
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    if argv and argv[0] in ("produce", "train", "replay"):  # settings-file commands
-        if argv[0] == "produce":
-            from producers.rollout import main as produce
-            return produce(argv[1:])
-        if argv[0] == "replay":
-            return _replay(argv[1:])
-        from consumers.trainer import main as train
-        return train(argv[1:])
+    if argv and argv[0] in SETTINGS_COMMANDS:  # commands configured like the daemons
+        return SETTINGS_COMMANDS[argv[0]](argv[1:])
     args = build_parser().parse_args(argv)
     try:
         if args.command == "broker":

@@ -65,6 +65,7 @@ class DemoConfig:
     reward: str = "exact_match"  # exact_match, math, format[:REGEX], rm:PATH or module:function
     reward_timeout_s: float = 10.0  # per reward call; a timed-out sample gets 0.0 and an error
     rl_seconds: float = 120.0
+    fanout: bool = False  # Kafka: also run the evaluator and recorder daemons (fan-out consumers)
     max_staleness: int = 1
     eval_every_s: float = 10.0
     eval_problems: int = 500
@@ -127,15 +128,24 @@ async def run_embedded(config: DemoConfig, model_dir: Path, evaluator: Evaluator
             "generate_s": worker.counts["producer/generate_s"]}
 
 
-def daemon_settings(config: DemoConfig, model_dir: Path):
-    """The producer's and the trainer's settings for this demo, as the daemons read them."""
-    producer = ProducerSettings(bus=config.bus, model_dir=model_dir, lora=config.lora,
-                                reward=config.reward, reward_timeout_s=config.reward_timeout_s,
-                                torch_threads=1, rollout=config.rollout())
-    trainer = TrainerSettings(bus=config.bus, model_dir=model_dir, lora=config.lora,
-                              torch_threads=1, learner=config.learner,
-                              loop=config.loop())
-    return producer, trainer
+def daemon_settings(config: DemoConfig, model_dir: Path) -> dict:
+    """The daemons' settings for this demo, as they read them, by name."""
+    from consumers.evaluator import EvaluatorSettings
+    from consumers.recorder import RecorderSettings
+
+    common = {"bus": config.bus, "model_dir": model_dir, "lora": config.lora}
+    return {
+        "producer": ProducerSettings(**common, reward=config.reward, torch_threads=1,
+                                     reward_timeout_s=config.reward_timeout_s,
+                                     rollout=config.rollout()),
+        "trainer": TrainerSettings(**common, torch_threads=1, learner=config.learner,
+                                   loop=config.loop()),
+        "evaluator": EvaluatorSettings(**common, run=config.run, prompts=config.prompts,
+                                       reward=config.reward, every_s=config.eval_every_s,
+                                       out=config.out_dir / "evaluation.jsonl"),
+        "recorder": RecorderSettings(bus=config.bus, run=config.run,
+                                     out_dir=config.out_dir / "archive", file_seconds=30.0),
+    }
 
 
 def write_settings(settings, path: Path) -> Path:
@@ -146,12 +156,15 @@ def write_settings(settings, path: Path) -> Path:
 
 async def run_processes(config: DemoConfig, model_dir: Path, evaluator: Evaluator,
                         stop: asyncio.Event) -> dict:
-    """Producer and trainer as separate processes on Kafka; the clock starts when the trainer
-    has announced its first version."""
-    producer, trainer = daemon_settings(config, model_dir)
+    """Producer and trainer (and with `fanout` the evaluator and recorder daemons) as separate
+    processes on Kafka; the clock starts when the trainer has announced its first version."""
+    daemons = [("consumers.trainer", "trainer"), ("producers.rollout", "producer")]
+    if config.fanout:
+        daemons += [("consumers.evaluator", "evaluator"), ("consumers.recorder", "recorder")]
+    all_settings = daemon_settings(config, model_dir)
     processes = []
-    for module, settings in (("consumers.trainer", trainer), ("producers.rollout", producer)):
-        name = module.split(".")[1]
+    for module, name in daemons:
+        settings = all_settings[name]
         path = write_settings(settings, config.out_dir / f"{name}.yaml")
         log_file = open(config.out_dir / f"{name}.log", "w")
         processes.append(subprocess.Popen([sys.executable, "-m", module, "--config", str(path)],

@@ -65,10 +65,12 @@ class Curve:
 
 class Evaluator:
     def __init__(self, bus: Bus, run: str, model_dir: Path, lora: LoraSettings | None,
-                 problems: list[Problem], *, every_s: float, scorer: Scorer | None = None):
+                 problems: list[Problem], *, every_s: float, scorer: Scorer | None = None,
+                 group: str = "evaluator"):
         from miles.engines.hf import HFEngine
 
         self.bus, self.run, self.problems, self.every_s = bus, run, problems, every_s
+        self.group = group  # consumer groups miles.<run>.<group>.<topic kind>
         self.scorer = scorer or Scorer(exact_match)
         self.engine = HFEngine(model_dir, lora=lora)
         self.curve = Curve()
@@ -79,7 +81,8 @@ class Evaluator:
     async def __aenter__(self) -> Evaluator:
         def reader(kind: str, expected, **options) -> DecodingConsumer:
             consumer = self.bus.consumer([topic_name(self.run, kind)],
-                                         group_id=f"miles.{self.run}.evaluator.{kind}", **options)
+                                         group_id=f"miles.{self.run}.{self.group}.{kind}",
+                                         **options)
             return DecodingConsumer(self.bus, consumer, dlq_topic=topic_name(self.run, "dlq"),
                                     expected=expected)
 

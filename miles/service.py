@@ -62,3 +62,21 @@ async def wait_or_stop(stop: asyncio.Event, seconds: float) -> bool:
     except TimeoutError:
         pass
     return stop.is_set()
+
+
+def daemon_main(settings_cls: type, argv, *, prog: str, doc: str,
+                run: Callable[[object, asyncio.Event], Awaitable[dict]]) -> int:
+    """The `main` of a daemon configured by `--config`/`--set`: logging, settings (logged),
+    `run(settings, stop)` until it returns or a signal stops it, its summary logged."""
+    import json
+
+    from miles.config import log_config, parse_config_args
+
+    logging.basicConfig(level=logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    settings = parse_config_args(settings_cls, argv, prog=prog,
+                                 description=doc.splitlines()[0])
+    log_config(settings)
+    summary = run_service(lambda stop: run(settings, stop))
+    logging.getLogger(prog).info("stopped: %s", json.dumps(summary, default=str))
+    return 0

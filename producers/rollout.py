@@ -6,16 +6,12 @@ Wires an engine, a reward function and the bus into a `RolloutWorker` and runs i
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from miles.config import log_config, parse_config_args
 from miles.engines.base import LoraSettings
 from miles.rollout import RolloutConfig, RolloutWorker
-from miles.service import run_service
-
-log = logging.getLogger("producers.rollout")
+from miles.service import daemon_main
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -29,10 +25,6 @@ class ProducerSettings:
     reward_timeout_s: float = 10.0  # per reward call; a timed-out sample gets 0.0 and an error
     torch_threads: int = 0  # 0 leaves torch's default
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
-
-
-def parse_args(argv=None) -> ProducerSettings:
-    return parse_config_args(ProducerSettings, argv, prog="producers.rollout", description=__doc__.splitlines()[0])
 
 
 async def run_producer(settings: ProducerSettings, stop) -> dict:
@@ -49,16 +41,12 @@ async def run_producer(settings: ProducerSettings, stop) -> dict:
     async with open_bus(settings.bus) as bus:
         worker = RolloutWorker(bus, engine, scorer, settings.rollout)
         await worker.run(stop)
-    log.info("producer stopped: %s", worker.counts)
     return dict(worker.counts)
 
 
 def main(argv=None) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    settings = parse_args(argv)
-    log_config(settings)
-    run_service(lambda stop: run_producer(settings, stop))
-    return 0
+    return daemon_main(ProducerSettings, argv, prog="producers.rollout", doc=__doc__,
+                       run=run_producer)
 
 
 if __name__ == "__main__":

@@ -57,6 +57,15 @@ def kafka_broker():
             local.stop()
 
 
+@pytest.fixture(scope="session")
+def model_dir(tmp_path_factory):
+    """A tiny Llama (hidden 64, 2 layers) with the character tokenizer, saved like a real
+    checkpoint; shared by the whole session, so never write into it."""
+    from miles.tasks.tiny_model import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("tiny"), hidden_size=64, layers=2)
+
+
 def unique_run() -> str:
     return f"t{uuid.uuid4().hex[:12]}"
 

@@ -14,7 +14,6 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from torch.testing import assert_close
 
-from miles.tasks.tiny_model import build_tiny_model
 from miles.trainer import distributed
 from miles.trainer.critic import (ACTOR, CRITIC, add_critic, apply_fsdp_actor_critic,
                                   disabled_adapters, reference_logits, use_adapter, values)
@@ -23,11 +22,6 @@ from miles.trainer.model import LoraSettings, load_policy, trainable_names
 LORA = LoraSettings(r=4, alpha=8)
 VOCAB = 78  # the tiny character tokenizer
 TWO_RANK_TIMEOUT_S = 240  # generous: the 2 CPU cores may be shared with other jobs
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return build_tiny_model(tmp_path_factory.mktemp("tiny"), hidden_size=64, layers=2)
 
 
 @pytest.fixture(scope="module", autouse=True)

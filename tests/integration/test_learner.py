@@ -14,7 +14,6 @@ from torch.distributed.tensor import DTensor
 from torch.testing import assert_close
 
 from miles.rl.sampling import process_logits
-from miles.tasks.tiny_model import build_tiny_model
 from miles.trainer import distributed
 from miles.trainer.batching import make_micro_batches
 from miles.trainer.learner import Learner, LearnerConfig
@@ -28,11 +27,6 @@ SAMPLING = {"temperature": 0.8, "top_p": 0.95, "top_k": 20, "max_new_tokens": 6}
 METRIC_KEYS = {"trainer/loss", "trainer/clip_frac", "trainer/kl_behaviour",
                "trainer/is_weight_mean", "trainer/is_weight_max", "trainer/is_truncated_frac",
                "trainer/mismatch", "trainer/grad_norm", "trainer/tokens", "trainer/reward_mean"}
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return build_tiny_model(tmp_path_factory.mktemp("tiny"), hidden_size=64, layers=2)
 
 
 @pytest.fixture(scope="module", autouse=True)

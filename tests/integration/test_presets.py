@@ -9,7 +9,6 @@ from torch.distributed.tensor import DTensor
 
 from miles.config import load_config
 from miles.rl.algorithm import PRESETS, AlgorithmConfig, preset
-from miles.tasks.tiny_model import build_tiny_model
 from miles.trainer import distributed
 from miles.trainer.learner import Learner, LearnerConfig
 from miles.trainer.model import LoraSettings
@@ -17,11 +16,6 @@ from tests.factories import make_group
 
 VOCAB = 78  # the tiny character tokenizer
 LORA = LoraSettings(r=4, alpha=8)
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return build_tiny_model(tmp_path_factory.mktemp("tiny"), hidden_size=64, layers=2)
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -14,7 +14,6 @@ from miles.errors import ConfigError
 from miles.protocol import encode
 from miles.protocol.topics import topic_name
 from miles.rl.algorithm import AlgorithmConfig, preset
-from miles.tasks.tiny_model import build_tiny_model
 from miles.trainer import distributed
 from miles.trainer.learner import Learner, LearnerConfig
 from miles.trainer.model import LoraSettings
@@ -24,11 +23,6 @@ from tests.factories import make_group
 VOCAB = 78  # the tiny character tokenizer
 LORA = LoraSettings(r=4, alpha=8)
 GROUPS = 10
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return build_tiny_model(tmp_path_factory.mktemp("tiny"), hidden_size=64, layers=2)
 
 
 @pytest.fixture(autouse=True)

@@ -24,7 +24,6 @@ from miles.rl.sampling import SamplingParams
 from miles.rollout import RolloutConfig, RolloutWorker
 from miles.tasks.arithmetic import arithmetic_problems
 from miles.tasks.rewards import Scorer
-from miles.tasks.tiny_model import build_tiny_model
 from miles.trainer import distributed
 from miles.trainer.learner import Learner, LearnerConfig
 from miles.trainer.loop import LoopConfig, StepRunner, TrainerLoop
@@ -33,11 +32,6 @@ from tests.rewards import digit_for_odd_answers, starts_with_digit
 LORA = LoraSettings(r=4, alpha=8)
 STEPS = 4
 PER_STEP = 4
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return build_tiny_model(tmp_path_factory.mktemp("tiny"), hidden_size=64, layers=2)
 
 
 @pytest.fixture(autouse=True)

@@ -20,18 +20,12 @@ from miles.feeder import feed
 from miles.protocol import WeightVersion, decode, encode
 from miles.protocol.topics import run_topics, topic_name
 from miles.tasks.arithmetic import arithmetic_problems
-from miles.tasks.tiny_model import build_tiny_model
 from tests.conftest import unique_run
 from tests.factories import make_group
 
 pytestmark = [pytest.mark.kafka, pytest.mark.slow]
 REPO = Path(__file__).resolve().parents[2]
 COMMON = ["lora.r=4", "lora.alpha=8", "torch_threads=1"]
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return build_tiny_model(tmp_path_factory.mktemp("tiny"), hidden_size=64, layers=2)
 
 
 TORCHRUN_2 = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]

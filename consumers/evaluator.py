@@ -1,0 +1,125 @@
+"""Evaluator daemon: `python -m consumers.evaluator --config evaluator.yaml` (`miles evaluate`).
+
+A fan-out consumer of a live run, reading in consumer groups of its own, so it never takes
+records from the trainer and the trainer never waits for it:
+- the trajectories stream, from where it is when the evaluator starts: per policy version (the
+  group's oldest token), groups, samples and mean reward of what the producers publish;
+- held-out accuracy: each newer announced weight version, at most every `every_s` seconds, is
+  loaded (sha256-verified) and its greedy accuracy measured on `eval_problems` problems of the
+  held-out split (`miles.evaluation.Evaluator`).
+Every `every_s` seconds it appends a `{"kind": "stream", ...}` line with the stream's numbers to
+`out`, and a `{"kind": "held_out", ...}` line per measurement. Invalid records are counted,
+not dead-lettered (the trainer does that). Stops on SIGTERM.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from miles.engines.base import LoraSettings
+from miles.service import daemon_main, wait_or_stop
+
+
+@dataclass(frozen=True, kw_only=True)
+class EvaluatorSettings:
+    bus: str = "kafka://127.0.0.1:9092"  # kafka://HOST:PORT
+    run: str = "demo"  # the run to follow: topics miles.<run>.*
+    model_dir: Path = Path("model")  # the run's base model (from_pretrained)
+    lora: LoraSettings | None = field(default_factory=LoraSettings)  # None: full weights
+    prompts: str = "arithmetic"  # held-out problems: a built-in task's test split or a JSONL
+    eval_problems: int = 500  # held-out problems per measurement
+    every_s: float = 10.0  # period of stream lines and the most frequent held-out measurement
+    reward: str = "exact_match"  # the run's reward (miles.tasks.rewards)
+    reward_timeout_s: float = 10.0  # per reward call
+    out: Path = Path("runs/evaluation.jsonl")  # JSON lines appended here
+    torch_threads: int = 1  # the evaluator should not compete with the trainer for cores
+
+
+class StreamStats:
+    """Running per-version numbers of the trajectories stream."""
+
+    def __init__(self):
+        self.by_version: dict[int, list[float]] = defaultdict(lambda: [0, 0, 0.0])
+        self.invalid = 0
+
+    def add(self, value: bytes) -> None:
+        from miles.errors import MilesError
+        from miles.protocol import TrajectoryGroup, decode
+
+        try:
+            group = decode(value, TrajectoryGroup)
+        except MilesError:
+            self.invalid += 1
+            return
+        entry = self.by_version[group.min_version]
+        entry[0] += 1
+        entry[1] += len(group.samples)
+        entry[2] += sum(s.reward for s in group.samples)
+
+    def line(self) -> dict:
+        versions = {str(v): {"groups": g, "samples": n, "reward_mean": round(r / max(n, 1), 4)}
+                    for v, (g, n, r) in sorted(self.by_version.items())}
+        return {"kind": "stream", "time": time.time(), "invalid": self.invalid,
+                "by_version": versions}
+
+
+def append(path: Path, line: dict) -> None:
+    with open(path, "a") as f:
+        f.write(json.dumps(line) + "\n")
+
+
+async def run_evaluator(settings: EvaluatorSettings, stop: asyncio.Event) -> dict:
+    import torch
+
+    from miles.bus import open_bus
+    from miles.evaluation import Evaluator
+    from miles.protocol.topics import topic_name
+    from miles.tasks.datasets import load_problems
+    from miles.tasks.rewards import resolve_reward
+
+    torch.set_num_threads(settings.torch_threads)
+    scorer = resolve_reward(settings.reward, timeout_s=settings.reward_timeout_s)
+    problems = load_problems(settings.prompts, "test")[:settings.eval_problems]
+    settings.out.parent.mkdir(parents=True, exist_ok=True)
+    stats = StreamStats()
+    async with open_bus(settings.bus) as bus:
+        stream = bus.consumer([topic_name(settings.run, "trajectories")], from_beginning=False,
+                              group_id=f"miles.{settings.run}.fanout-evaluator.trajectories")
+        evaluator = Evaluator(bus, settings.run, settings.model_dir, settings.lora, problems,
+                              every_s=settings.every_s, scorer=scorer, group="fanout-evaluator")
+        async with stream, evaluator:
+            async with asyncio.TaskGroup() as tasks:
+                tasks.create_task(_read_stream(stream, stats, stop))
+                tasks.create_task(_report(settings, stats, evaluator, stop))
+                tasks.create_task(evaluator.follow(stop, time.monotonic()))
+    return {"measurements": len(evaluator.curve.points), "invalid": stats.invalid}
+
+
+async def _read_stream(stream, stats: StreamStats, stop: asyncio.Event) -> None:
+    while not stop.is_set():
+        for record in await stream.poll(timeout_s=0.5):
+            stats.add(record.value)
+
+
+async def _report(settings: EvaluatorSettings, stats: StreamStats, evaluator,
+                  stop: asyncio.Event) -> None:
+    written = 0
+    while not await wait_or_stop(stop, settings.every_s):
+        append(settings.out, stats.line())
+        for point in evaluator.curve.points[written:]:
+            append(settings.out, {"kind": "held_out", "time": time.time(), **point})
+        written = len(evaluator.curve.points)
+
+
+def main(argv=None) -> int:
+    return daemon_main(EvaluatorSettings, argv, prog="consumers.evaluator", doc=__doc__,
+                       run=run_evaluator)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
