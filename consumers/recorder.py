@@ -3,12 +3,13 @@
 A fan-out consumer that archives a run's trajectories to Parquet files, in its own consumer
 group (`miles.<run>.recorder`), so the trainer never waits for it. Rows are those of
 `miles export` (one per sample, every field). A file is closed once it holds `file_rows` rows
-(give or take one poll) or after `file_seconds` seconds, whichever comes first, as `<out_dir>/part-<UTC time>-<n>.parquet`
-(written under a temporary name and renamed), and only then are the offsets of the records in it
-committed. A restarted recorder continues from the last commit: a recorder killed between a
-file's rename and its commit writes those records again into its next file (at-least-once;
-`group_id` + `sample_index` identify a row). Invalid records are counted and skipped (the
-trainer dead-letters them). Stops on SIGTERM, closing the open file first.
+(give or take one poll) or after `file_seconds` seconds, whichever comes first, as
+`<out_dir>/part-<UTC time>-<n>.parquet` (written under a temporary name and renamed), and only
+then are the offsets of the records in it committed. A restarted recorder continues from the
+last commit: a recorder killed between a file's rename and its commit writes those records
+again into its next file (at-least-once; `group_id` + `sample_index` identify a row). Invalid
+records are counted and skipped (the trainer dead-letters them). Stops on SIGTERM, closing the
+open file first.
 """
 
 from __future__ import annotations

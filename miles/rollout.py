@@ -189,7 +189,8 @@ class RolloutWorker:
         samples = [self._sample(c, s) for c, s in zip(completions, scored, strict=True)]
         return TrajectoryGroup(
             group_id=f"{task.task_id}/e{task.epoch}/{self.config.producer_id}/{self._sequence}",
-            task_id=task.task_id, prompt_token_ids=np.asarray(prompt, dtype=np.int32),
+            task_id=task.task_id, epoch=task.epoch,
+            prompt_token_ids=np.asarray(prompt, dtype=np.int32),
             samples=samples, producer_id=self.config.producer_id, engine=self.engine.name,
             vocab_size=self.engine.vocab_size, sampling=self.config.sampling.as_wire(),
             reference=task.reference,
@@ -273,7 +274,10 @@ class RolloutWorker:
 
     async def _heartbeat(self, error: str | None = None) -> None:
         elapsed = max(time.monotonic() - self._started, 1e-9)
-        extra = {"groups": int(self.counts["producer/groups"]), "paused": self.paused,
+        extra = {"groups": int(self.counts["producer/groups"]),
+                 "tokens": int(self.counts["producer/tokens"]),
+                 "weight_errors": int(self.counts["producer/weight_errors"]),
+                 "paused": self.paused,
                  "generate_s": round(self.counts["producer/generate_s"], 3),
                  "other_s": round(self.counts["producer/other_s"], 3)}
         if error:

@@ -10,7 +10,7 @@ import numpy as np
 
 from miles.protocol.topics import MAX_RECORD_BYTES
 
-SCHEMA_VERSION = (1, 0)
+SCHEMA_VERSION = (1, 1)
 """(major, minor) written into every record. Readers reject another major, accept any minor."""
 
 TOKEN_DTYPE = np.dtype("<i4")

@@ -104,6 +104,7 @@ class TrajectoryGroup(WireRecord):
 
     group_id: str
     task_id: str
+    epoch: int = 0  # the prompt's epoch (PromptTask.epoch); (task_id, epoch) names the prompt
     prompt_token_ids: IntArray = array_field(TOKEN_DTYPE)  # [P]
     samples: list[Sample]
     producer_id: str

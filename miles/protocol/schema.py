@@ -140,6 +140,7 @@ def read_trajectory_group(r: FieldReader) -> TrajectoryGroup:
     return from_checked(TrajectoryGroup, dict(
         group_id=r.string("group_id", nonempty=True),
         task_id=r.string("task_id", nonempty=True),
+        epoch=r.integer("epoch", lo=0, default=0),
         prompt_token_ids=prompt_ids,
         samples=samples,
         producer_id=r.string("producer_id", nonempty=True),

@@ -10,6 +10,11 @@ writes the new adapter to the weight store and announces it on the control topic
 progress on the status topic, appends the step to `ledger.jsonl` and `metrics.jsonl`, and
 every `checkpoint_every` steps writes a checkpoint.
 
+Re-generated prompts: a producer that dies after publishing but before committing its prompts
+has them re-delivered to another producer, which generates them again. A group whose prompt
+(task id, epoch) is among the last `RECENT_PROMPTS` seen counts as `trainer/regenerated_groups`
+and is trained like any other (it is fresh data, just a second draw for the same prompt).
+
 Exactly-once bookkeeping: per partition, the next offset to read is the offset of the first
 group still waiting in the buffer, or the consumer's position when nothing waits; everything
 before it was trained, dropped as stale or dead-lettered. A restarted trainer loads the newest
@@ -22,7 +27,7 @@ import asyncio
 import json
 import logging
 import time
-from collections import Counter, deque
+from collections import Counter, OrderedDict, deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,6 +46,7 @@ from miles.trainer.progress import Progress
 from miles.weights.store import prune_versions, write_version
 
 log = logging.getLogger(__name__)
+RECENT_PROMPTS = 65_536  # prompts remembered to count re-generated ones
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -146,6 +152,7 @@ class TrainerLoop:
         self.step = 0
         self.counts: Counter[str] = Counter()
         self.lags: Counter[int] = Counter()
+        self.recent_prompts: OrderedDict[tuple[str, int], None] = OrderedDict()
         self.progress = Progress()
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="learner")
 
@@ -235,6 +242,7 @@ class TrainerLoop:
                     last_beat = time.monotonic()
                 continue
             item = self.buffer.popleft()
+            self._note_prompt(item.value)
             lag = item.value.lag(self.learner.policy_version)
             if lag > self.config.max_staleness:
                 skipped["dropped"].append(item)
@@ -244,6 +252,15 @@ class TrainerLoop:
                 self.lags[lag] += 1
                 groups.append(item)
         return groups, skipped
+
+    def _note_prompt(self, group: TrajectoryGroup) -> None:
+        key = (group.task_id, group.epoch)
+        if key in self.recent_prompts:
+            self.counts["trainer/regenerated_groups"] += 1
+            return
+        self.recent_prompts[key] = None
+        if len(self.recent_prompts) > RECENT_PROMPTS:
+            self.recent_prompts.popitem(last=False)
 
     # -- train --------------------------------------------------------------------------------
 
@@ -321,9 +338,10 @@ class TrainerLoop:
     async def _heartbeat(self, consumer) -> None:
         positions = [await consumer.position(tp) for tp in consumer.assignment()]
         consumed = sum(positions) - len(self.buffer)
+        extra = {"consumed": consumed, "step": self.step, **self.counts,
+                 **{f"lag/{lag}": count for lag, count in self.lags.items()}}  # running totals
         beat = Heartbeat(producer_id=f"trainer-{self.config.run}", role="trainer",
                          engine="fsdp2", policy_version=self.learner.policy_version,
-                         extra={"consumed": consumed, "step": self.step},
-                         created_at=time.time())
+                         extra=extra, created_at=time.time())
         await self.bus.publish(self._topic("status"), encode(beat), key=b"trainer")
 

@@ -4,6 +4,7 @@ import enum
 import math
 from concurrent.futures import ThreadPoolExecutor
 
+import msgpack
 import numpy as np
 import pytest
 
@@ -265,7 +266,7 @@ DECODE_REJECTIONS = [
     (_set("type", "trajectory"), "type", "unknown record type 'trajectory'; known: prompt_task"),
     (_delete("type"), "type", "missing required field"),
     (_set("schema", [2, 0]), "schema",
-     "record has schema 2.0, this reader reads major version 1 (schema 1.0); upgrade"),
+     "record has schema 2.0, this reader reads major version 1 (schema 1.1); upgrade"),
     (_set("schema", [0, 9]), "schema", "record has schema 0.9"),
     (_set("schema", "1.0"), "schema", "expected an array of 2 ints"),
     (_delete("schema"), "schema", "missing required field"),
@@ -384,3 +385,11 @@ def test_encode_is_safe_across_threads():
     with ThreadPoolExecutor(max_workers=4) as pool:
         for _ in range(5):
             assert list(pool.map(encode, groups)) == expected
+
+
+def test_schema_1_0_groups_without_epoch_still_read_as_epoch_0():
+    body = msgpack.unpackb(encode(make_group(epoch=3)), raw=False)
+    assert decode(encode(make_group(epoch=3)), TrajectoryGroup).epoch == 3
+    del body["epoch"]
+    body["schema"] = [1, 0]
+    assert decode(msgpack.packb(body, use_bin_type=True), TrajectoryGroup).epoch == 0
