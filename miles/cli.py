@@ -253,6 +253,47 @@ def _add_experience_commands(sub: argparse._SubParsersAction) -> None:
     tail.add_argument("--limit", type=int, default=None, help="stop after this many records")
 
 
+def _add_status_command(sub: argparse._SubParsersAction) -> None:
+    parser = sub.add_parser("status", help="a run at a glance: producers, trainer, consumer "
+                                           "lag, DLQ")
+    address = parser.add_mutually_exclusive_group(required=True)
+    address.add_argument("--bootstrap", help="Kafka address HOST:PORT")
+    address.add_argument("--bus", help="kafka://HOST:PORT")
+    parser.add_argument("--run", required=True, help="run name: topics are miles.RUN.*")
+    parser.add_argument("--watch", type=float, nargs="?", const=2.0, default=None,
+                        metavar="SECONDS", help="refresh every SECONDS (default 2) until Ctrl-C")
+    parser.add_argument("--window", type=float, default=60.0, metavar="SECONDS",
+                        help="read the heartbeats of the last SECONDS (default 60)")
+    parser.add_argument("--json", action="store_true",
+                        help="print JSON (one object per line with --watch)")
+
+
+def _status(args: argparse.Namespace) -> int:
+    from miles.service import run_service, wait_or_stop
+    from miles.status import collect_status, format_status
+
+    from miles.errors import ConfigError
+
+    if args.watch is not None and args.watch <= 0:
+        raise ConfigError(f"--watch must be > 0 seconds, got {args.watch:g}")
+    url = args.bus or f"kafka://{args.bootstrap.removeprefix('kafka://')}"
+    clear = args.watch is not None and sys.stdout.isatty()
+
+    async def show(stop: asyncio.Event) -> int:
+        async with _reading_bus(url) as bus:
+            while True:
+                status = await collect_status(bus, args.run, window_s=args.window)
+                if args.json:
+                    text = json.dumps(status, indent=None if args.watch is not None else 2)
+                else:
+                    text = format_status(status)
+                print(("\033[H\033[2J" if clear else "") + text, flush=True)
+                if args.watch is None or await wait_or_stop(stop, args.watch):
+                    return 0
+
+    return run_service(show)
+
+
 def _reading_bus(url: str):
     from miles.bus import open_bus
     from miles.errors import ConfigError
@@ -310,6 +351,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_smoke_command(sub)
     _add_rl_commands(sub)
     _add_experience_commands(sub)
+    _add_status_command(sub)
     return parser
 
 
@@ -350,6 +392,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return asyncio.run(_stats(args))
         if args.command == "tail":
             return _tail(args)
+        if args.command == "status":
+            return _status(args)
     except MilesError as err:
         print(f"miles {args.command}: error: {err}", file=sys.stderr)
         return 2

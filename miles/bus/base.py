@@ -144,7 +144,7 @@ class Consumer(abc.ABC):
 
 
 class Bus(abc.ABC):
-    """Publishing, topic administration and a factory for consumers."""
+    """Publishing, topic administration, offsets for monitoring and a factory for consumers."""
 
     url: str
 
@@ -168,6 +168,18 @@ class Bus(abc.ABC):
 
     @abc.abstractmethod
     async def describe_topics(self, names: Iterable[str]) -> dict[str, TopicInfo]: ...
+
+    @abc.abstractmethod
+    async def topic_offsets(self, topics: Iterable[str]
+                            ) -> dict[TopicPartition, tuple[int, int]]:
+        """(first, end) offsets of every partition of `topics`: the log holds [first, end)."""
+
+    @abc.abstractmethod
+    async def group_offsets(self, topics: Iterable[str]
+                            ) -> dict[str, dict[TopicPartition, int]]:
+        """Committed offsets of every consumer group on `topics`: group id -> {partition: next
+        offset to read} over the partitions of `topics` it committed; groups that committed
+        none are left out. Joins no group and moves nothing (monitoring reads this)."""
 
     @abc.abstractmethod
     async def send(self, topic: str, value: bytes, *, key: bytes | None = None,

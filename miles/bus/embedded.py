@@ -88,6 +88,18 @@ class EmbeddedBus(Bus):
     async def describe_topics(self, names: Iterable[str]) -> dict[str, TopicInfo]:
         return {name: self._topic(name).info for name in names}
 
+    async def topic_offsets(self, topics: Iterable[str]
+                            ) -> dict[TopicPartition, tuple[int, int]]:
+        return {TopicPartition(name, p): (0, len(log))
+                for name in topics for p, log in enumerate(self._topic(name).partitions)}
+
+    async def group_offsets(self, topics: Iterable[str]
+                            ) -> dict[str, dict[TopicPartition, int]]:
+        names = {self._topic(name).info.name for name in topics}
+        offsets = {group_id: {tp: o for tp, o in group.committed.items() if tp.topic in names}
+                   for group_id, group in self._groups.items()}
+        return {group_id: committed for group_id, committed in offsets.items() if committed}
+
     def _topic(self, name: str) -> _Topic:
         try:
             return self._topics[name]

@@ -7,6 +7,10 @@ accepts can stall it. Every aiokafka exception is wrapped in `BusError` here.
 
 aiokafka's admin client does not raise per-topic errors from CreateTopics; they are read from the
 response and reported (an existing topic is not an error).
+
+Offsets for monitoring: a topic's first and end offsets come from one group-less consumer the bus
+starts on first use (the admin client has no ListOffsets); committed offsets come from the admin
+client, one OffsetFetch per consumer group the cluster lists (as `kafka-consumer-groups` does).
 """
 
 from __future__ import annotations
@@ -77,6 +81,7 @@ class KafkaBus(Bus):
         self.client_id = client_id
         self._producer: AIOKafkaProducer | None = None
         self._admin: AIOKafkaAdminClient | None = None
+        self._offsets_reader: AIOKafkaConsumer | None = None
         self._known_topics: set[str] = set()
 
     async def start(self) -> None:
@@ -100,6 +105,10 @@ class KafkaBus(Bus):
         if self._admin is not None:
             await self._admin.close()
             self._admin = None
+        if self._offsets_reader is not None:
+            with _wrapped("closing the offsets reader"):
+                await self._offsets_reader.stop()
+            self._offsets_reader = None
 
     def _require(self, client: Any) -> Any:
         if client is None:
@@ -124,17 +133,25 @@ class KafkaBus(Bus):
             raise BusError("creating topics failed: " + "; ".join(failures))
         return created
 
-    async def describe_topics(self, names: Iterable[str]) -> dict[str, TopicInfo]:
-        names = list(names)
-        admin = self._require(self._admin)
+    async def _partition_counts(self, names: list[str]) -> dict[str, int]:
         with _wrapped("describing topics"):
-            metadata = await admin.describe_topics(names)
-            configs = await admin.describe_configs(
-                [ConfigResource(ConfigResourceType.TOPIC, name) for name in names])
+            metadata = await self._require(self._admin).describe_topics(names)
         missing = [t["topic"] for t in metadata if t["error_code"] != 0]
         if missing:
             raise BusError(f"topics do not exist: {', '.join(missing)}")
-        partitions = {t["topic"]: len(t["partitions"]) for t in metadata}
+        return {t["topic"]: len(t["partitions"]) for t in metadata}
+
+    async def _partitions(self, names: Iterable[str]) -> list[KafkaTopicPartition]:
+        counts = await self._partition_counts(list(names))
+        return [KafkaTopicPartition(name, p) for name, count in counts.items()
+                for p in range(count)]
+
+    async def describe_topics(self, names: Iterable[str]) -> dict[str, TopicInfo]:
+        names = list(names)
+        partitions = await self._partition_counts(names)
+        with _wrapped("describing topics"):
+            configs = await self._require(self._admin).describe_configs(
+                [ConfigResource(ConfigResourceType.TOPIC, name) for name in names])
         result = {}
         for response in configs:
             for resource in response.to_object()["resources"]:
@@ -142,6 +159,46 @@ class KafkaBus(Bus):
                 entries = {e["config_names"]: e["config_value"]
                            for e in resource["config_entries"]}
                 result[name] = TopicInfo(name=name, partitions=partitions[name], configs=entries)
+        return result
+
+    async def topic_offsets(self, topics: Iterable[str]
+                            ) -> dict[TopicPartition, tuple[int, int]]:
+        tps = await self._partitions(topics)
+        reader = await self._offsets()
+        with _wrapped("reading topic offsets"):
+            first = await reader.beginning_offsets(tps)
+            end = await reader.end_offsets(tps)
+        return {TopicPartition(tp.topic, tp.partition): (first[tp], end[tp]) for tp in tps}
+
+    async def _offsets(self) -> AIOKafkaConsumer:
+        """The group-less consumer that looks up first and end offsets, started on first use."""
+        self._require(self._admin)
+        if self._offsets_reader is None:
+            reader = AIOKafkaConsumer(bootstrap_servers=self.bootstrap,
+                                      client_id=f"{self.client_id}-offsets", group_id=None,
+                                      enable_auto_commit=False,
+                                      request_timeout_ms=REQUEST_TIMEOUT_MS)
+            with _wrapped("starting the offsets reader"):
+                await reader.start()
+            self._offsets_reader = reader
+        return self._offsets_reader
+
+    async def group_offsets(self, topics: Iterable[str]
+                            ) -> dict[str, dict[TopicPartition, int]]:
+        tps = await self._partitions(topics)
+        if not tps:
+            return {}
+        admin = self._require(self._admin)
+        with _wrapped("reading consumer group offsets"):
+            groups = sorted(group[0] for group in await admin.list_consumer_groups())
+            fetched = await asyncio.gather(*(admin.list_consumer_group_offsets(g, partitions=tps)
+                                             for g in groups))
+        result = {}
+        for group, offsets in zip(groups, fetched):
+            committed = {TopicPartition(tp.topic, tp.partition): meta.offset
+                         for tp, meta in offsets.items() if meta.offset >= 0}  # -1: none
+            if committed:
+                result[group] = committed
         return result
 
     async def send(self, topic: str, value: bytes, *, key: bytes | None = None,

@@ -224,6 +224,41 @@ async def test_end_and_beginning_offsets(bus, run):
         assert await consumer.beginning_offsets([tp]) == {tp: 0}
 
 
+async def test_topic_offsets_cover_every_partition(bus, run):
+    trajectories, control = topic_name(run, "trajectories"), topic_name(run, "control")
+    for partition, count in ((0, 3), (2, 1)):
+        for i in range(count):
+            await bus.publish(trajectories, b"x", partition=partition)
+    await publish_numbers(bus, control, 2)
+    assert await bus.topic_offsets([trajectories, control]) == {
+        TopicPartition(trajectories, 0): (0, 3), TopicPartition(trajectories, 1): (0, 0),
+        TopicPartition(trajectories, 2): (0, 1), TopicPartition(control, 0): (0, 2)}
+    with pytest.raises(BusError):
+        await bus.topic_offsets([f"miles.{unique_run()}.dlq"])
+
+
+async def test_group_offsets_list_groups_that_committed_on_the_topics(bus, run):
+    trajectories, control = topic_name(run, "trajectories"), topic_name(run, "control")
+    for partition in range(3):
+        await bus.publish(trajectories, b"x", partition=partition)
+    await publish_numbers(bus, control, 3)
+    p0, p2 = TopicPartition(trajectories, 0), TopicPartition(trajectories, 2)
+    c0 = TopicPartition(control, 0)
+    async with bus.consumer([trajectories], group_id=f"{run}-trainer") as trainer, \
+            bus.consumer([control], group_id=f"{run}-control") as other, \
+            bus.consumer([trajectories], group_id=f"{run}-reader") as reader:
+        for consumer, count in ((trainer, 3), (other, 3), (reader, 3)):
+            await collect(consumer, count)
+        await trainer.commit({p0: 1, p2: 0})
+        await other.commit({c0: 2})
+        offsets = await bus.group_offsets([trajectories])
+        assert offsets[f"{run}-trainer"] == {p0: 1, p2: 0}
+        assert f"{run}-reader" not in offsets and f"{run}-control" not in offsets
+        both = await bus.group_offsets([trajectories, control])
+        assert both[f"{run}-control"] == {c0: 2}
+        assert await reader.position(p0) == 1  # reading offsets moved no consumer
+
+
 async def test_oversized_record_fails_before_sending(bus, run):
     topic = topic_name(run, "trajectories")
     with pytest.raises(RecordTooLargeError, match=str(MAX_RECORD_BYTES)):
