@@ -41,11 +41,12 @@ def build_runner(settings: TrainerSettings):
 
     from miles.trainer.learner import Learner
     from miles.trainer.loop import StepRunner
+    from miles.weights.store import base_model_id
 
     if settings.torch_threads:
         torch.set_num_threads(settings.torch_threads)
     learner = Learner(settings.model_dir, settings.learner, lora=settings.lora)
-    return StepRunner(learner, settings.loop, base_model=str(settings.model_dir))
+    return StepRunner(learner, settings.loop, base_model=base_model_id(settings.model_dir))
 
 
 async def run_trainer(settings: TrainerSettings, runner, stop) -> dict:

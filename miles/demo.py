@@ -48,6 +48,7 @@ from miles.tasks.rewards import resolve_reward
 from miles.tasks.tiny_model import build_tiny_model
 from miles.trainer.learner import Learner, LearnerConfig
 from miles.trainer.loop import LoopConfig, StepRunner, TrainerLoop
+from miles.weights.store import base_model_id
 from producers.rollout import ProducerSettings
 
 log = logging.getLogger(__name__)
@@ -116,7 +117,8 @@ async def run_embedded(config: DemoConfig, model_dir: Path, evaluator: Evaluator
     engine = HFEngine(model_dir, lora=config.lora)
     worker = RolloutWorker(bus, engine, evaluator.scorer, config.rollout())
     learner = Learner(model_dir, config.learner, lora=config.lora)
-    trainer = TrainerLoop(bus, StepRunner(learner, config.loop(), base_model=str(model_dir)))
+    trainer = TrainerLoop(bus, StepRunner(learner, config.loop(),
+                                          base_model=base_model_id(model_dir)))
     started = time.monotonic()
     async with asyncio.TaskGroup() as tasks:
         tasks.create_task(worker.run(stop))

@@ -56,6 +56,7 @@ class RolloutConfig:
     groups_per_step: int = 32  # the trainer's groups per optimizer step (for admission)
     heartbeat_s: float = 2.0
     seed: int = 0
+    base_model: str = ""  # versions for another base are rejected ("": the daemon's model_dir)
 
     def __post_init__(self) -> None:
         for name in ("prompts_per_batch", "groups_per_step"):
@@ -92,7 +93,8 @@ class RolloutWorker:
                                          "producer/generate_s": 0.0, "producer/other_s": 0.0,
                                          "producer/weight_loads": 0, "producer/weight_errors": 0}
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
-        self._newest: WeightVersion | None = None
+        self._newest: WeightVersion | None = None  # the version to load next
+        self._announced = 0  # the highest version announced on the control topic
         self._sequence = 0
         self._in_flight = 0
         self._started = time.monotonic()
@@ -216,16 +218,14 @@ class RolloutWorker:
                                        expected=(WeightVersion, Command))
             while not stop.is_set():
                 for item in await control.poll(timeout_s=0.2):
-                    self._on_control(item.value, stop, drain)
+                    await self._on_control(item.value, stop, drain)
                 if self._newest is not None and \
                         self._newest.policy_version > self.engine.policy_version:
                     await self._load(self._newest)
 
-    def _on_control(self, value, stop: asyncio.Event, drain: asyncio.Event) -> None:
+    async def _on_control(self, value, stop: asyncio.Event, drain: asyncio.Event) -> None:
         if isinstance(value, WeightVersion):
-            if self._newest is None or value.policy_version > self._newest.policy_version:
-                self._newest = value
-            self.trainer.policy_version = max(self.trainer.policy_version, value.policy_version)
+            await self._on_version(value)
             return
         if value.target not in (ALL_TARGETS, self.config.producer_id):
             return
@@ -237,19 +237,42 @@ class RolloutWorker:
         elif value.command == "stop":
             stop.set()
 
+    async def _on_version(self, value: WeightVersion) -> None:
+        """Note an announced version; the control loop loads the newest. The same version
+        again is a re-announcement (a restarted trainer); an older one is rejected."""
+        if value.policy_version < self._announced:
+            await self._reject(value, f"announced after version {self._announced} (versions "
+                                      "only go forward)")
+            return
+        self._announced = value.policy_version
+        if value.policy_version > self.engine.policy_version:
+            self._newest = value
+        self.trainer.policy_version = max(self.trainer.policy_version, value.policy_version)
+
+    async def _reject(self, version: WeightVersion, why: str) -> None:
+        """Count, log and report (status event) a version this producer does not load; it
+        keeps generating with the weights it has."""
+        self.counts["producer/weight_errors"] += 1
+        log.error("keeping version %d: version %d rejected: %s", self.engine.policy_version,
+                  version.policy_version, why)
+        await self._heartbeat(error=f"version {version.policy_version}: {why}")
+
     async def _load(self, version: WeightVersion) -> None:
+        self._newest = None  # whatever happens, the same version is not tried again in a loop
+        expected = self.config.base_model
+        if expected and version.base_model != expected:
+            await self._reject(version, f"made for base model {version.base_model!r}, this "
+                                        f"producer serves {expected!r}")
+            return
         try:
             folder = await self._in_engine(fetch_version, version)
             await self._in_engine(self.engine.load_version, folder, version.policy_version,
                                   version.format)
-            self.counts["producer/weight_loads"] += 1
-            log.info("loaded policy version %d", version.policy_version)
         except MilesError as err:
-            self.counts["producer/weight_errors"] += 1
-            log.error("keeping version %d: version %d failed to load: %s",
-                      self.engine.policy_version, version.policy_version, err)
-            await self._heartbeat(error=f"version {version.policy_version}: {err}")
-            self._newest = None  # do not retry the same broken version in a loop
+            await self._reject(version, str(err))
+            return
+        self.counts["producer/weight_loads"] += 1
+        log.info("loaded policy version %d", version.policy_version)
 
     # -- status -------------------------------------------------------------------------------
 

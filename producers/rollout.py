@@ -6,7 +6,7 @@ Wires an engine, a reward function and the bus into a `RolloutWorker` and runs i
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from miles.engines.base import LoraSettings
@@ -33,13 +33,17 @@ async def run_producer(settings: ProducerSettings, stop) -> dict:
     from miles.bus import open_bus
     from miles.engines.hf import HFEngine
     from miles.tasks.rewards import resolve_reward
+    from miles.weights.store import base_model_id
 
     if settings.torch_threads:
         torch.set_num_threads(settings.torch_threads)
     scorer = resolve_reward(settings.reward, timeout_s=settings.reward_timeout_s)
     engine = HFEngine(settings.model_dir, device=settings.device, lora=settings.lora)
+    rollout = settings.rollout
+    if not rollout.base_model:  # reject versions trained on another base
+        rollout = replace(rollout, base_model=base_model_id(settings.model_dir))
     async with open_bus(settings.bus) as bus:
-        worker = RolloutWorker(bus, engine, scorer, settings.rollout)
+        worker = RolloutWorker(bus, engine, scorer, rollout)
         await worker.run(stop)
     return dict(worker.counts)
 

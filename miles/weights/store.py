@@ -26,6 +26,12 @@ WEIGHTS_FILES = {"lora": "adapter_model.safetensors", "full": "model.safetensors
 HASH_CHUNK_BYTES = 4 * 1024 * 1024
 
 
+def base_model_id(model_dir: str | Path) -> str:
+    """What `WeightVersion.base_model` names: the base checkpoint's folder name (resolved), so
+    trainer and producers agree on it even where the file system mounts it elsewhere."""
+    return Path(model_dir).resolve().name
+
+
 def file_sha256(path: Path) -> str:
     digest = hashlib.sha256()
     with open(path, "rb") as f:

@@ -1,0 +1,88 @@
+"""A producer rejects every broken weight version with a log line and a status event, and
+keeps generating with the weights it has (embedded bus, real adapters)."""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+from dataclasses import replace
+
+import pytest
+
+from miles.bus import open_bus
+from miles.engines.base import LoraSettings
+from miles.engines.hf import HFEngine
+from miles.protocol import Heartbeat, decode, encode
+from miles.protocol.topics import run_topics, topic_name
+from miles.rollout import RolloutConfig, RolloutWorker
+from miles.tasks.rewards import Scorer
+from miles.trainer import distributed
+from miles.trainer.learner import Learner
+from miles.weights.store import WEIGHTS_FILES, base_model_id, version_dir, write_version
+from tests.rewards import starts_with_digit
+
+LORA = LoraSettings(r=4, alpha=8)
+
+
+@pytest.fixture(scope="module")
+def versions(model_dir, tmp_path_factory):
+    """Real adapters as versions 1 to 7 of a weight store (one export, copied)."""
+    store = tmp_path_factory.mktemp("weights")
+    learner = Learner(model_dir, lora=LORA)
+    base = base_model_id(model_dir)
+    records = {v: write_version(store, policy_version=v, step=v, base_model=base,
+                                write=learner.export_weights) for v in range(1, 8)}
+    distributed.destroy()
+    return store, records
+
+
+async def wait_for(predicate, timeout_s: float = 30.0) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while not predicate():
+        assert asyncio.get_running_loop().time() < deadline, "timed out"
+        await asyncio.sleep(0.05)
+
+
+async def test_every_broken_version_is_rejected_and_generation_goes_on(model_dir, versions,
+                                                                       caplog):
+    store, records = versions
+    adapter = version_dir(store, 4) / WEIGHTS_FILES["lora"]
+    adapter.write_bytes(adapter.read_bytes()[:-100])  # truncated after it was announced
+    shutil.rmtree(version_dir(store, 3))  # missing
+    broken = [
+        replace(records[2], sha256="0" * 64),  # wrong sha256
+        records[3], records[4],
+        replace(records[5], base_model="another-model"),  # an adapter for another base
+        records[1],  # going backwards
+    ]
+    run = "loading"
+    async with open_bus("embedded://") as bus:
+        await bus.create_topics(run_topics(run, prompt_partitions=1, trajectory_partitions=1))
+        engine = HFEngine(model_dir, lora=LORA)
+        worker = RolloutWorker(bus, engine, Scorer(starts_with_digit), RolloutConfig(
+            run=run, heartbeat_s=60, base_model=base_model_id(model_dir)))
+        stop = asyncio.Event()
+        running = asyncio.create_task(worker.run(stop))
+        control = topic_name(run, "control")
+        try:
+            await bus.publish(control, encode(records[1]))
+            await wait_for(lambda: engine.policy_version == 1)
+            for n, record in enumerate(broken, start=1):
+                await bus.publish(control, encode(record))
+                await wait_for(lambda: worker.counts["producer/weight_errors"] == n)
+                assert engine.policy_version == 1
+            await bus.publish(control, encode(records[6]))  # a good version still loads
+            await wait_for(lambda: engine.policy_version == 6)
+        finally:
+            stop.set()
+            await asyncio.wait_for(running, 30)
+        async with bus.consumer([topic_name(run, "status")], group_id="audit") as audit:
+            beats = [decode(r.value, Heartbeat) for r in await audit.poll(timeout_s=1)]
+    errors = [b.extra["error"] for b in beats if "error" in b.extra]
+    assert len(errors) == 5 and all(e.startswith(f"version {v}: ") for e, v in
+                                    zip(errors, [2, 3, 4, 5, 1]))
+    assert "sha256" in errors[0] and "does not exist" in errors[1]
+    assert "bytes, announced" in errors[2] and "another-model" in errors[3]
+    assert "versions only go forward" in errors[4]
+    assert sum("rejected" in r.message for r in caplog.records) == 5
+    assert worker.counts["producer/weight_loads"] == 2
