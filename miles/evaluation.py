@@ -19,6 +19,7 @@ from pathlib import Path
 from miles.bus import Bus
 from miles.bus.decoding import DecodingConsumer
 from miles.engines.base import LoraSettings, RolloutEngine
+from miles.errors import MilesError
 from miles.protocol import Heartbeat, WeightVersion
 from miles.protocol.topics import topic_name
 from miles.rl.sampling import SamplingParams
@@ -106,10 +107,12 @@ class Evaluator:
 
     async def read_topics(self, wait_s: float = 0.05) -> None:
         """Take in everything new on the control and status topics."""
-        for item in await self._control.poll(timeout_s=wait_s):
-            if self._newest is None or item.value.policy_version > self._newest.policy_version:
-                self._newest = item.value
-                self.announced = item.value.policy_version
+        while items := await self._control.poll(timeout_s=wait_s):  # until caught up
+            for item in items:
+                if self._newest is None or \
+                        item.value.policy_version > self._newest.policy_version:
+                    self._newest = item.value
+                    self.announced = item.value.policy_version
         for item in await self._status.poll(timeout_s=wait_s):
             beat = item.value
             if beat.role == "producer" and "generate_s" in beat.extra:
@@ -121,11 +124,16 @@ class Evaluator:
 
     async def load_newest(self) -> bool:
         """Load the newest announced version if it is newer than the loaded one."""
-        if self._newest is None or self._newest.policy_version <= self.engine.policy_version:
+        version = self._newest
+        if version is None or version.policy_version <= self.engine.policy_version:
             return False
-        folder = await asyncio.to_thread(fetch_version, self._newest)
-        await asyncio.to_thread(self.engine.load_version, folder, self._newest.policy_version,
-                                self._newest.format)
+        try:
+            folder = await asyncio.to_thread(fetch_version, version)
+            await asyncio.to_thread(self.engine.load_version, folder, version.policy_version,
+                                    version.format)
+        except MilesError as err:  # e.g. already pruned from the store: wait for a newer one
+            log.warning("evaluation skips version %d: %s", version.policy_version, err)
+            return False
         return True
 
     async def follow(self, stop: asyncio.Event, started: float) -> None:

@@ -207,8 +207,8 @@ def format_stats(summary: dict) -> str:
         f"{summary['samples']} samples, {invalid['records']} invalid"
         + (f" ({_pairs(invalid['fields'])})" if invalid["records"] else ""),
         f"reward            mean {_num(reward['mean'])}, {reward['errors']} reward errors",
-        "  by version      " + (", ".join(f"v{v}: {_num(r['mean'])} ({r['samples']})"
-                                          for v, r in reward["by_version"].items()) or "-"),
+        "  by version      " + (", ".join(f"v{label}: {_num(mean)} ({n})" for label, mean, n
+                                          in _version_bins(reward["by_version"])) or "-"),
         f"response length   mean {_num(length['mean'])}, p50 {length['p50']}, "
         f"p95 {length['p95']}, max {length['max']}",
         f"finish reasons    {_pairs(summary['finish_reasons']) or '-'}",
@@ -233,3 +233,18 @@ def _num(value: float | None) -> str:
 
 def _pairs(counts: dict) -> str:
     return ", ".join(f"{k}: {v}" for k, v in counts.items())
+
+
+def _version_bins(by_version: dict, most: int = 10) -> list[tuple[str, float, int]]:
+    """(versions label, mean reward, samples) per version, or per range of consecutive versions
+    when there are more than `most` (the --json output keeps every version)."""
+    items = sorted((int(v), r["mean"], r["samples"]) for v, r in by_version.items())
+    size = max(1, -(-len(items) // most))
+    bins = []
+    for start in range(0, len(items), size):
+        chunk = items[start:start + size]
+        samples = sum(n for _, _, n in chunk)
+        mean = sum(m * n for _, m, n in chunk) / max(samples, 1)
+        first, last = chunk[0][0], chunk[-1][0]
+        bins.append((str(first) if first == last else f"{first}-{last}", mean, samples))
+    return bins

@@ -1,0 +1,24 @@
+"""`miles demo` end to end, short: the report, the curve and the staleness bound (embedded
+bus, the session's tiny model as the starting checkpoint instead of the cached warm start)."""
+
+from __future__ import annotations
+
+import json
+
+from miles.config import load_config
+from miles.demo import DemoConfig, main_demo
+
+
+def test_a_short_embedded_demo_writes_its_report_and_curves(model_dir, tmp_path):
+    config = load_config(DemoConfig, env={}, overrides=[
+        f"model_dir={model_dir}", f"out_dir={tmp_path}", "rl_seconds=6", "eval_every_s=1",
+        "eval_problems=16", "groups_per_step=4", "lora.r=4", "lora.alpha=8"])
+    assert main_demo(config) == 0
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert report["run"] == "demo" and report["model_dir"] == str(model_dir)
+    assert report["steps"] >= 2 and report["policy_version"] == report["steps"]
+    assert report["max_lag_seen"] <= report["max_staleness"] == 1
+    assert report["held_out_problems"] == 1000 and 0 <= report["final_accuracy"] <= 1
+    assert report["curve"] and all(p["policy_version"] >= 1 for p in report["curve"])
+    assert (tmp_path / "curves.png").stat().st_size > 0
+    assert len(list((tmp_path / "weights").iterdir())) <= 16  # the store is pruned
