@@ -24,7 +24,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import statistics
 import time
+from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -91,10 +93,12 @@ class RolloutWorker:
         self.paused = False
         self.counts: dict[str, float] = {"producer/groups": 0, "producer/tokens": 0,
                                          "producer/generate_s": 0.0, "producer/other_s": 0.0,
+                                         "producer/load_s": 0.0,
                                          "producer/weight_loads": 0, "producer/weight_errors": 0}
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
         self._newest: WeightVersion | None = None  # the version to load next
         self._announced = 0  # the highest version announced on the control topic
+        self.load_latencies: deque[float] = deque(maxlen=1000)  # announce -> in use, seconds
         self._sequence = 0
         self._in_flight = 0
         self._started = time.monotonic()
@@ -264,6 +268,7 @@ class RolloutWorker:
             await self._reject(version, f"made for base model {version.base_model!r}, this "
                                         f"producer serves {expected!r}")
             return
+        began = time.perf_counter()
         try:
             folder = await self._in_engine(fetch_version, version)
             await self._in_engine(self.engine.load_version, folder, version.policy_version,
@@ -271,6 +276,8 @@ class RolloutWorker:
         except MilesError as err:
             await self._reject(version, str(err))
             return
+        self.counts["producer/load_s"] += time.perf_counter() - began
+        self.load_latencies.append(max(time.time() - version.created_at, 0.0))
         self.counts["producer/weight_loads"] += 1
         log.info("loaded policy version %d", version.policy_version)
 
@@ -302,7 +309,10 @@ class RolloutWorker:
                  "weight_errors": int(self.counts["producer/weight_errors"]),
                  "paused": self.paused,
                  "generate_s": round(self.counts["producer/generate_s"], 3),
-                 "other_s": round(self.counts["producer/other_s"], 3)}
+                 "other_s": round(self.counts["producer/other_s"], 3),
+                 "load_s": round(self.counts["producer/load_s"], 3)}
+        if self.load_latencies:  # version announced -> loaded, median of the last 1000 loads
+            extra["load_latency_p50_s"] = round(statistics.median(self.load_latencies), 4)
         if error:
             extra["error"] = error
         beat = Heartbeat(producer_id=self.config.producer_id, role="producer",

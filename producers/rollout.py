@@ -45,7 +45,9 @@ async def run_producer(settings: ProducerSettings, stop) -> dict:
     async with open_bus(settings.bus) as bus:
         worker = RolloutWorker(bus, engine, scorer, rollout)
         await worker.run(stop)
-    return dict(worker.counts)
+    latencies = sorted(worker.load_latencies)
+    return {**worker.counts, "load_latency_p50_s": latencies[len(latencies) // 2]
+            if latencies else None}
 
 
 def main(argv=None) -> int:

@@ -85,4 +85,5 @@ async def test_every_broken_version_is_rejected_and_generation_goes_on(model_dir
     assert "bytes, announced" in errors[2] and "another-model" in errors[3]
     assert "versions only go forward" in errors[4]
     assert sum("rejected" in r.message for r in caplog.records) == 5
-    assert worker.counts["producer/weight_loads"] == 2
+    assert worker.counts["producer/weight_loads"] == 2 and worker.counts["producer/load_s"] > 0
+    assert len(worker.load_latencies) == 2  # announced -> in use, for each load
