@@ -108,7 +108,29 @@ async def _smoke(args: argparse.Namespace) -> int:
     return 0 if report["ok"] else 1
 
 
-PROMPTS_HELP = "a built-in task (arithmetic, arithmetic-plain) or a JSONL file"
+PROMPTS_HELP = ("a built-in task (arithmetic, arithmetic-plain), a .parquet file, a directory "
+                "written by datasets' save_to_disk, or a JSONL file")
+
+
+def _add_dataset_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--prompts", default="arithmetic", help=PROMPTS_HELP)
+    parser.add_argument("--prompt-field", default="prompt",
+                        help="the field holding the prompt, used as is (default: prompt)")
+    parser.add_argument("--template", default=None,
+                        help="build the prompt with str.format over the row's fields instead, "
+                             "e.g. $'Question: {question}\\nAnswer:' (bash $'' for a newline)")
+    parser.add_argument("--answer-field", default="answer",
+                        help="the field holding the reference answer (default: answer)")
+    parser.add_argument("--id-field", default="id",
+                        help="the field holding the task id (default: id; rows without one get "
+                             "<source name>-<row number>)")
+
+
+def _dataset_format(args: argparse.Namespace):
+    from miles.tasks.datasets import DatasetFormat
+
+    return DatasetFormat(prompt_field=args.prompt_field, prompt_template=args.template,
+                         answer_field=args.answer_field, id_field=args.id_field)
 
 
 def _add_rl_commands(sub: argparse._SubParsersAction) -> None:
@@ -116,14 +138,16 @@ def _add_rl_commands(sub: argparse._SubParsersAction) -> None:
     sft.add_argument("--out", type=Path, required=True, help="directory to save the model to")
     sft.add_argument("--model", type=Path, default=None,
                      help="start from this model directory (default: a fresh tiny model)")
-    sft.add_argument("--prompts", default="arithmetic", help=PROMPTS_HELP)
+    _add_dataset_flags(sft)
     sft.add_argument("--steps", type=int, default=None)
 
     feed = sub.add_parser("feed", help="publish a dataset's prompts to a run's prompts topic")
     feed.add_argument("--bus", required=True, help="kafka://HOST:PORT")
     feed.add_argument("--run", required=True)
-    feed.add_argument("--prompts", default="arithmetic", help=PROMPTS_HELP)
-    feed.add_argument("--split", default="train")
+    _add_dataset_flags(feed)
+    feed.add_argument("--split", default="train",
+                      help="split of a built-in task or of a saved DatasetDict (train, test, ...); "
+                           "a file or a single saved Dataset serves every split")
     feed.add_argument("--epochs", type=int, default=1)
     feed.add_argument("--seed", type=int, default=0)
     feed.add_argument("--no-shuffle", action="store_true")
@@ -150,8 +174,8 @@ def _add_rl_commands(sub: argparse._SubParsersAction) -> None:
                                                    "default grpo")
     demo.add_argument("--model-dir", type=Path, default=None,
                       help="start from this checkpoint instead of the built-in warm start")
-    demo.add_argument("--prompts", default=None, help="JSONL of {prompt, answer} (default: "
-                                                      "the built-in arithmetic task)")
+    demo.add_argument("--prompts", default=None, help=f"{PROMPTS_HELP}, with prompt and answer "
+                                                      "fields (default: arithmetic)")
     demo.add_argument("--reward", default=None)
     demo.add_argument("--rl-seconds", type=float, default=None)
     demo.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
@@ -164,7 +188,8 @@ def _sft(args: argparse.Namespace) -> int:
 
     config = SFTConfig() if args.steps is None else SFTConfig(steps=args.steps)
     base = args.model or build_tiny_model(args.out.with_name(args.out.name + "-base"))
-    supervised_warm_start(base, args.out, load_problems(args.prompts, "train"), config)
+    problems = load_problems(args.prompts, "train", fmt=_dataset_format(args))
+    supervised_warm_start(base, args.out, problems, config)
     print(args.out)
     return 0
 
@@ -174,10 +199,10 @@ async def _feed(args: argparse.Namespace) -> int:
     from miles.feeder import feed
     from miles.tasks.datasets import load_problems
 
+    problems = load_problems(args.prompts, args.split, fmt=_dataset_format(args))
     async with open_bus(args.bus) as bus:
-        count = await feed(bus, args.run, load_problems(args.prompts, args.split),
-                           epochs=args.epochs, shuffle=not args.no_shuffle, seed=args.seed,
-                           limit=args.limit)
+        count = await feed(bus, args.run, problems, epochs=args.epochs,
+                           shuffle=not args.no_shuffle, seed=args.seed, limit=args.limit)
     print(f"published {count} prompts to miles.{args.run}.prompts")
     return 0
 
