@@ -30,6 +30,13 @@ ENV_PREFIX = "MILES_"
 _TRUE, _FALSE = {"1", "true", "yes", "on"}, {"0", "false", "no", "off"}
 
 
+def choose(table: Mapping[str, T], name: str, what: str) -> T:
+    """`table[name]`, or a ConfigError naming `what` and the valid choices."""
+    if name not in table:
+        raise ConfigError(f"unknown {what} {name!r}; valid choices: {', '.join(sorted(table))}")
+    return table[name]
+
+
 def load_config(cls: type[T], *, path: str | Path | None = None, overrides: Iterable[str] = (),
                 env: Mapping[str, str] | None = None, base: Mapping[str, Any] | None = None
                 ) -> T:

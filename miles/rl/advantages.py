@@ -38,7 +38,7 @@ from collections.abc import Callable
 
 import torch
 
-from miles.errors import ConfigError
+from miles.config import choose
 
 AdvantageEstimator = Callable[..., torch.Tensor]
 """`estimator(rewards [G, n], *, settings with defaults) -> advantages [G, n]`."""
@@ -97,10 +97,7 @@ ADVANTAGE_ESTIMATORS: dict[str, AdvantageEstimator] = {
 
 def get_estimator(name: str) -> AdvantageEstimator:
     """The advantage estimator called `name`; ConfigError naming the valid choices otherwise."""
-    if name not in ADVANTAGE_ESTIMATORS:
-        raise ConfigError(f"unknown advantage estimator {name!r}; valid choices: "
-                          f"{', '.join(sorted(ADVANTAGE_ESTIMATORS))}")
-    return ADVANTAGE_ESTIMATORS[name]
+    return choose(ADVANTAGE_ESTIMATORS, name, "advantage estimator")
 
 
 def gae_advantages(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, *,

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from miles.errors import ConfigError
+from miles.config import choose
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -97,7 +97,4 @@ AGGREGATIONS: dict[str, Aggregation] = {
 
 def get_aggregation(name: str) -> Aggregation:
     """The aggregation called `name`; ConfigError naming the valid choices otherwise."""
-    if name not in AGGREGATIONS:
-        raise ConfigError(f"unknown loss aggregation {name!r}; valid choices: "
-                          f"{', '.join(sorted(AGGREGATIONS))}")
-    return AGGREGATIONS[name]
+    return choose(AGGREGATIONS, name, "loss aggregation")

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
+from miles.config import choose
 from miles.errors import ConfigError
 from miles.rl.ratios import LOG_RATIO_CLAMP, clamped_ratio
 
@@ -139,7 +140,4 @@ OBJECTIVES: dict[str, Objective] = {"ppo": ppo_clip, "gspo": gspo, "cispo": cisp
 
 def get_objective(name: str) -> Objective:
     """The policy objective called `name`; ConfigError naming the valid choices otherwise."""
-    if name not in OBJECTIVES:
-        raise ConfigError(f"unknown policy objective {name!r}; valid choices: "
-                          f"{', '.join(sorted(OBJECTIVES))}")
-    return OBJECTIVES[name]
+    return choose(OBJECTIVES, name, "policy objective")
