@@ -82,10 +82,11 @@ def new_value_head(model: nn.Module) -> nn.Linear:
     return head
 
 
-def apply_fsdp_actor_critic(model: nn.Module, mesh=None) -> nn.Module:
+def apply_fsdp_actor_critic(model: nn.Module, mesh=None, *,
+                            compile_blocks: bool = False) -> nn.Module:
     """`apply_fsdp` with the value head as one more FSDP2 unit (sharded before the root)."""
     fully_shard(value_head(model), mesh=mesh)
-    return apply_fsdp(model, mesh=mesh)
+    return apply_fsdp(model, mesh=mesh, compile_blocks=compile_blocks)
 
 
 def value_head(model: nn.Module) -> nn.Module:
@@ -177,9 +178,12 @@ class ValueModel(nn.Module):
         return values.clone()  # not a view: FSDP2 hooks the root's output for backward
 
 
-def apply_fsdp_value_model(model: ValueModel, mesh=None) -> ValueModel:
+def apply_fsdp_value_model(model: ValueModel, mesh=None, *,
+                           compile_blocks: bool = False) -> ValueModel:
     """Shard a `ValueModel`: one unit per decoder block, the head, then the root."""
     for layer in decoder_layers(model.lm):
+        if compile_blocks:
+            layer.compile()
         fully_shard(layer, mesh=mesh)
     fully_shard(value_head(model), mesh=mesh)
     fully_shard(model, mesh=mesh)

@@ -48,8 +48,8 @@ from miles.rl.sampling import process_logits
 from miles.trainer import critic, distributed
 from miles.trainer.batching import (MicroBatch, idle_micro_batch, make_micro_batches,
                                     max_new_tokens, outcome_advantages)
-from miles.trainer.model import (LoraSettings, apply_fsdp, export_adapter, export_full,
-                                 load_policy, trainable_names)
+from miles.trainer.model import (LoraSettings, apply_fsdp, enable_activation_checkpointing,
+                                 export_adapter, export_full, load_policy, trainable_names)
 
 LOGPROB_FLOOR = -100.0
 """Trainer logprobs are floored here: a sampled token the trainer's top-k/top-p filter removes
@@ -69,6 +69,8 @@ class LearnerConfig:
     grad_clip: float = 1.0  # max global gradient norm (inf disables clipping)
     max_tokens_per_micro_batch: int = 8192  # padded tokens (rows x longest) per forward
     seed: int = 0  # seeds the LoRA init (identical on every rank) and torch's RNG
+    activation_checkpointing: bool = False  # recompute block activations in backward (memory)
+    compile: bool = False  # torch.compile each decoder block of the trained model(s)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)  # estimator, loss, ...
 
     def __post_init__(self) -> None:
@@ -129,15 +131,21 @@ class Learner:
         self.device = distributed.init_distributed()
         torch.manual_seed(config.seed)  # same LoRA init on every rank
         model, self.tokenizer = load_policy(model_dir, lora=lora)
+        if config.activation_checkpointing:
+            enable_activation_checkpointing(model)
         self.critic = None  # full fine-tuning's value model (LoRA: an adapter of self.model)
         if self.algorithm.uses_critic and lora is not None:
             critic.add_critic(model, lora)
-            self.model = critic.apply_fsdp_actor_critic(model.to(self.device))
+            self.model = critic.apply_fsdp_actor_critic(model.to(self.device),
+                                                        compile_blocks=config.compile)
         else:
-            self.model = apply_fsdp(model.to(self.device))
+            self.model = apply_fsdp(model.to(self.device), compile_blocks=config.compile)
         if self.algorithm.uses_critic and lora is None:
             value_model = critic.ValueModel(load_policy(model_dir, lora=None)[0])
-            self.critic = critic.apply_fsdp_value_model(value_model.to(self.device))
+            if config.activation_checkpointing:
+                enable_activation_checkpointing(value_model.lm)
+            self.critic = critic.apply_fsdp_value_model(value_model.to(self.device),
+                                                        compile_blocks=config.compile)
         # what the optimizer and checkpoints hold: the policy, and a separate critic if any
         self.trained = self.model if self.critic is None else \
             torch.nn.ModuleDict({"actor": self.model, critic.CRITIC: self.critic})

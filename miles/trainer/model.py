@@ -64,13 +64,24 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
     return layers
 
 
-def apply_fsdp(model: nn.Module, mesh=None) -> nn.Module:
+def apply_fsdp(model: nn.Module, mesh=None, *, compile_blocks: bool = False) -> nn.Module:
     """Shard `model` with FSDP2: one `fully_shard` unit per decoder block, then the root
-    (embeddings, final norm, head). `mesh` None: all ranks of the default group."""
+    (embeddings, final norm, head). `mesh` None: all ranks of the default group. With
+    `compile_blocks`, each decoder block is compiled with `torch.compile` first (the block's
+    forward and its FSDP hooks; the first steps pay the compilation)."""
     for layer in decoder_layers(model):
+        if compile_blocks:
+            layer.compile()
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
     return model
+
+
+def enable_activation_checkpointing(model: nn.Module) -> None:
+    """Recompute each decoder block's activations in the backward instead of keeping them
+    (Hugging Face's per-block checkpointing, non-reentrant, so LoRA and FSDP2 work with it)."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
 
 def trainable_names(model: nn.Module) -> set[str]:
