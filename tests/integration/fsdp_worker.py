@@ -1,9 +1,11 @@
-"""One train step + adapter export on fixed synthetic groups, for the FSDP rank-count test.
+"""Train steps + adapter exports on fixed synthetic groups, for the FSDP rank-count tests.
 
 Run under `torchrun --nproc_per_node N` (N ranks) or plain `python` (one self-initialised rank):
-    fsdp_worker.py MODEL_DIR OUT_DIR ALGO
-The groups reach ranks > 0 through `broadcast_bytes` (wire encoding). Rank 0 writes
-OUT_DIR/metrics.json and OUT_DIR/adapter/ (peft format).
+    fsdp_worker.py MODEL_DIR OUT_DIR ALGO [RESUME_CHECKPOINT]
+The groups reach ranks > 0 through `broadcast_bytes` (wire encoding). Without a checkpoint: one
+step, OUT_DIR/metrics.json and OUT_DIR/adapter/ (peft format), a checkpoint OUT_DIR/ckpt/, a
+second step and OUT_DIR/adapter2/. With one: load it (saved on any number of ranks), take the
+second step, write OUT_DIR/adapter2/.
 """
 
 import json
@@ -14,6 +16,7 @@ from miles.config import build
 from miles.protocol import decode, encode
 from miles.rl.algorithm import AlgorithmConfig, preset
 from miles.trainer import distributed
+from miles.trainer.checkpoint import load_checkpoint, save_checkpoint
 from miles.trainer.learner import Learner, LearnerConfig
 from miles.trainer.model import LoraSettings
 from tests.factories import make_group, make_sample
@@ -42,20 +45,33 @@ def shipped_groups() -> list:
     return received
 
 
-def main(model_dir: str, out_dir: str, algo: str) -> None:
+def main(model_dir: str, out_dir: str, algo: str, resume: str | None = None) -> None:
     config = LearnerConfig(lr=1e-3, max_tokens_per_micro_batch=40, seed=0,
                            algorithm=build(AlgorithmConfig, preset(algo)))
     learner = Learner(model_dir, config, lora=LoraSettings(r=4, alpha=8))
-    metrics = learner.train_step(shipped_groups())
-    learner.export_weights(Path(out_dir) / "adapter")
-    micro_batches = len(learner.micro_batches(fixed_groups()))  # a collective: every rank
-    if distributed.is_main():
-        report = {"world_size": distributed.world_size(), "micro_batches": micro_batches,
-                  **metrics}
-        (Path(out_dir) / "metrics.json").write_text(json.dumps(report, indent=2))
+    out = Path(out_dir)
+    if resume:
+        state = learner.state_dict()
+        load_checkpoint(Path(resume), state)
+        learner.load_state_dict(state)
+    else:
+        first_step(learner, out)
+    learner.train_step(shipped_groups())
+    learner.export_weights(out / "adapter2")
     distributed.barrier()  # clean exit only: no rank tears gloo down while a peer still talks
     distributed.destroy()
 
 
+def first_step(learner: Learner, out: Path) -> None:
+    metrics = learner.train_step(shipped_groups())
+    learner.export_weights(out / "adapter")
+    micro_batches = len(learner.micro_batches(fixed_groups()))  # a collective: every rank
+    if distributed.is_main():
+        report = {"world_size": distributed.world_size(), "micro_batches": micro_batches,
+                  **metrics}
+        (out / "metrics.json").write_text(json.dumps(report, indent=2))
+    save_checkpoint(out / "ckpt", 1, learner.state_dict(), {"offsets": {}})
+
+
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2], sys.argv[3])
+    main(*sys.argv[1:5])

@@ -15,23 +15,27 @@ from safetensors.torch import load_file
 from torch.testing import assert_close
 
 from miles.tasks.tiny_model import build_tiny_model
+from miles.trainer.checkpoint import checkpoint_dir
 
 REPO = Path(__file__).resolve().parents[2]
 WORKER = Path(__file__).with_name("fsdp_worker.py")
 WORKER_TIMEOUT_S = 280  # generous: the 2 CPU cores may be shared with other jobs
 
 
-def run_worker(model_dir: Path, out_dir: Path, ranks: int | None, algo: str) -> dict:
+def run_worker(model_dir: Path, out_dir: Path, ranks: int | None, algo: str,
+               resume: Path | None = None) -> dict | None:
     """Run the worker on `ranks` torchrun ranks (None: plain python, one self-made rank)."""
     out_dir.mkdir()
     launcher = ([sys.executable, "-m", "torch.distributed.run", "--standalone",
                  f"--nproc_per_node={ranks}"] if ranks else [sys.executable])
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1",
            "CUDA_VISIBLE_DEVICES": ""}
-    done = subprocess.run([*launcher, str(WORKER), str(model_dir), str(out_dir), algo], env=env,
-                          cwd=REPO, capture_output=True, text=True, timeout=WORKER_TIMEOUT_S)
+    args = [str(WORKER), str(model_dir), str(out_dir), algo] + ([str(resume)] if resume else [])
+    done = subprocess.run([*launcher, *args], env=env, cwd=REPO, capture_output=True, text=True,
+                          timeout=WORKER_TIMEOUT_S)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    return json.loads((out_dir / "metrics.json").read_text())
+    metrics = out_dir / "metrics.json"
+    return json.loads(metrics.read_text()) if metrics.exists() else None
 
 
 @pytest.mark.slow
@@ -57,3 +61,25 @@ def test_two_ranks_match_one_rank(tmp_path, algo):
         assert_close(two_adapter[name], tensor, atol=1e-5, rtol=0, msg=name)
     trained = [n for n in one_adapter if "lora_B" in n]
     assert all(torch.count_nonzero(one_adapter[n]) for n in trained)  # the step did move B
+
+
+def load_adapter(folder: Path) -> dict[str, torch.Tensor]:
+    return load_file(folder / "adapter_model.safetensors")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(2 * WORKER_TIMEOUT_S + 60)
+def test_a_checkpoint_saved_on_two_ranks_restarts_on_one(tmp_path):
+    """Weights and optimizer state reshard: one rank resuming from a two-rank checkpoint
+    takes the same second step as the two ranks did."""
+    model_dir = build_tiny_model(tmp_path / "tiny", hidden_size=64, layers=2)
+    run_worker(model_dir, tmp_path / "two", ranks=2, algo="grpo")
+    checkpoint = checkpoint_dir(tmp_path / "two" / "ckpt", 1)
+    run_worker(model_dir, tmp_path / "one", ranks=None, algo="grpo", resume=checkpoint)
+    two = load_adapter(tmp_path / "two" / "adapter2")
+    one = load_adapter(tmp_path / "one" / "adapter2")
+    first = load_adapter(tmp_path / "two" / "adapter")
+    assert one.keys() == two.keys() and one
+    for name, tensor in two.items():
+        assert_close(one[name], tensor, atol=1e-5, rtol=0, msg=name)
+    assert any(not torch.equal(two[n], first[n]) for n in two)  # the second step moved them
