@@ -6,10 +6,14 @@ Wires an engine, a reward function and the bus into a `RolloutWorker` and runs i
 
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from miles.engines.base import LoraSettings
+from miles.config import choose
+from miles.engines.base import LoraSettings, RolloutEngine
+from miles.engines.vllm_server import VLLMServerSettings
+from miles.errors import ConfigError
 from miles.rollout import RolloutConfig, RolloutWorker
 from miles.service import daemon_main
 
@@ -18,27 +22,61 @@ from miles.service import daemon_main
 class ProducerSettings:
     bus: str = "kafka://127.0.0.1:9092"  # kafka://HOST:PORT (MILES_BUS)
     model_dir: Path = Path("model")  # Hugging Face model directory (from_pretrained)
-    engine: str = "hf"  # rollout engine: hf
+    engine: str = "hf"  # rollout engine: hf, vllm-server (a running `vllm serve`) or vllm
     device: str = "cpu"
     lora: LoraSettings | None = field(default_factory=LoraSettings)  # None: full weights
     reward: str = "exact_match"  # exact_match, math, format[:REGEX], rm:PATH or module:function
     reward_timeout_s: float = 10.0  # per reward call; a timed-out sample gets 0.0 and an error
     torch_threads: int = 0  # 0 leaves torch's default
+    vllm_server: VLLMServerSettings = field(default_factory=VLLMServerSettings)  # vllm-server
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
 
+    def __post_init__(self) -> None:
+        if self.engine not in ENGINES:
+            raise ConfigError(f"engine must be one of {', '.join(ENGINES)}, got {self.engine!r}")
 
-async def run_producer(settings: ProducerSettings, stop) -> dict:
+
+def _hf_engine(settings: ProducerSettings) -> RolloutEngine:
     import torch
 
-    from miles.bus import open_bus
     from miles.engines.hf import HFEngine
-    from miles.tasks.rewards import resolve_reward
-    from miles.weights.store import base_model_id
 
     if settings.torch_threads:
         torch.set_num_threads(settings.torch_threads)
+    return HFEngine(settings.model_dir, device=settings.device, lora=settings.lora)
+
+
+def _vllm_server_engine(settings: ProducerSettings) -> RolloutEngine:
+    """The server samples; model_dir only provides the tokenizer and the vocabulary size."""
+    from miles.engines.vllm_server import VLLMServerEngine
+
+    return VLLMServerEngine.from_settings(settings.vllm_server, settings.model_dir,
+                                          lora=settings.lora is not None)
+
+
+def _vllm_engine(settings: ProducerSettings) -> RolloutEngine:
+    if importlib.util.find_spec("vllm") is None:
+        raise ConfigError("engine 'vllm' needs vLLM: pip install 'miles[vllm]' (or use engine "
+                          "'vllm-server' with a running `vllm serve`)")
+    raise ConfigError("engine 'vllm' (vLLM in-process) is not implemented yet; use engine "
+                      "'vllm-server' with a running `vllm serve`, or engine 'hf'")
+
+
+ENGINES = {"hf": _hf_engine, "vllm-server": _vllm_server_engine, "vllm": _vllm_engine}
+
+
+def build_engine(settings: ProducerSettings) -> RolloutEngine:
+    """The rollout engine named by `settings.engine`."""
+    return choose(ENGINES, settings.engine, "engine")(settings)
+
+
+async def run_producer(settings: ProducerSettings, stop) -> dict:
+    from miles.bus import open_bus
+    from miles.tasks.rewards import resolve_reward
+    from miles.weights.store import base_model_id
+
     scorer = resolve_reward(settings.reward, timeout_s=settings.reward_timeout_s)
-    engine = HFEngine(settings.model_dir, device=settings.device, lora=settings.lora)
+    engine = build_engine(settings)
     rollout = settings.rollout
     if not rollout.base_model:  # reject versions trained on another base
         rollout = replace(rollout, base_model=base_model_id(settings.model_dir))
