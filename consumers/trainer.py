@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -41,10 +42,16 @@ def build_runner(settings: TrainerSettings):
 
     from miles.trainer.learner import Learner
     from miles.trainer.loop import StepRunner
+    from miles.trainer.memory import check_trainer_memory
     from miles.weights.store import base_model_id
 
     if settings.torch_threads:
         torch.set_num_threads(settings.torch_threads)
+    if int(os.environ.get("LOCAL_RANK", "0")) == 0:  # one estimate per host; never refuses
+        warning = check_trainer_memory(settings.model_dir, lora=settings.lora,
+                                       learner=settings.learner)
+        if warning:
+            log.warning(warning)
     learner = Learner(settings.model_dir, settings.learner, lora=settings.lora)
     return StepRunner(learner, settings.loop, base_model=base_model_id(settings.model_dir))
 
