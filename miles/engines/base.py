@@ -123,3 +123,32 @@ class RolloutEngine(abc.ABC):
             self.load_adapter(folder, policy_version)
         else:
             self.load_full_weights(folder, policy_version)
+
+
+class TokenizedEngine(RolloutEngine):
+    """What engines with a local Hugging Face tokenizer share: they set `tokenizer`,
+    `_vocab_size`, `_eos_token_id` and `_policy_version` and get the accessors and the text
+    conversions here."""
+
+    tokenizer: object
+    _vocab_size: int
+    _eos_token_id: int
+    _policy_version: int = 0
+
+    @property
+    def vocab_size(self) -> int:
+        return self._vocab_size
+
+    @property
+    def eos_token_id(self) -> int:
+        return self._eos_token_id
+
+    @property
+    def policy_version(self) -> int:
+        return self._policy_version
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def decode(self, token_ids: list[int] | np.ndarray) -> str:
+        return self.tokenizer.decode(list(map(int, token_ids)), skip_special_tokens=True)

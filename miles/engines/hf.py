@@ -33,7 +33,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from miles.engines.base import Completion, LoraSettings, RolloutEngine
+from miles.engines.base import Completion, LoraSettings, TokenizedEngine
 from miles.errors import EngineError
 from miles.rl.sampling import SamplingParams, process_logits
 
@@ -41,7 +41,7 @@ ADAPTER_WEIGHTS = "adapter_model.safetensors"
 ADAPTER_CONFIG = "adapter_config.json"
 
 
-class HFEngine(RolloutEngine):
+class HFEngine(TokenizedEngine):
     """A transformers model (optionally with one LoRA adapter) behind the engine contract."""
 
     name = "hf"
@@ -69,26 +69,8 @@ class HFEngine(RolloutEngine):
         self.generate_seconds = 0.0  # wall time spent inside generate
 
     @property
-    def vocab_size(self) -> int:
-        return self._vocab_size
-
-    @property
-    def eos_token_id(self) -> int:
-        return self._eos_token_id
-
-    @property
-    def policy_version(self) -> int:
-        return self._policy_version
-
-    @property
     def tokens_per_s(self) -> float:
         return self.tokens_generated / self.generate_seconds if self.generate_seconds else 0.0
-
-    def encode(self, text: str) -> list[int]:
-        return self.tokenizer.encode(text, add_special_tokens=False)
-
-    def decode(self, token_ids: list[int] | np.ndarray) -> str:
-        return self.tokenizer.decode(list(map(int, token_ids)), skip_special_tokens=True)
 
     def generate(self, prompts: list[list[int]], params: SamplingParams, *,
                  seed: int | None = None) -> list[list[Completion]]:

@@ -53,9 +53,7 @@ from http.client import HTTPException
 from pathlib import Path
 from typing import Any, Callable
 
-import numpy as np
-
-from miles.engines.base import Completion, RolloutEngine
+from miles.engines.base import Completion, TokenizedEngine
 from miles.engines.vllm_api import (ERROR_TEXT_CHARS, adapter_name, check_processed_logprobs,
                                     completion_request, error_message, parse_completions,
                                     parse_model_cards, pick_base_model, probe_request)
@@ -99,7 +97,7 @@ class HTTPStatusError(EngineError):
         self.status = status
 
 
-class VLLMServerEngine(RolloutEngine):
+class VLLMServerEngine(TokenizedEngine):
     """A `vllm serve` process behind the engine contract; see the module docstring."""
 
     name = "vllm-server"
@@ -146,27 +144,9 @@ class VLLMServerEngine(RolloutEngine):
                    check_logprobs_mode=settings.check_logprobs_mode)
 
     @property
-    def vocab_size(self) -> int:
-        return self._vocab_size
-
-    @property
-    def eos_token_id(self) -> int:
-        return self._eos_token_id
-
-    @property
-    def policy_version(self) -> int:
-        return self._policy_version
-
-    @property
     def served_model(self) -> str:
         """The model name requests use now: the base model or the current adapter."""
         return self._served
-
-    def encode(self, text: str) -> list[int]:
-        return self.tokenizer.encode(text, add_special_tokens=False)
-
-    def decode(self, token_ids: list[int] | np.ndarray) -> str:
-        return self.tokenizer.decode(list(map(int, token_ids)), skip_special_tokens=True)
 
     def generate(self, prompts: list[list[int]], params: SamplingParams, *,
                  seed: int | None = None) -> list[list[Completion]]:
