@@ -6,7 +6,8 @@ Three loops share one engine:
   (groups one after another: a reward model's call never waits, timer running, behind another),
   publish one `TrajectoryGroup` per prompt, then commit the prompts. A producer killed before the
   commit has its prompts re-delivered to another producer (at-least-once generation; each group
-  has a unique id).
+  has a unique id). A batch the engine fails on (`EngineError`) is rewound and retried after
+  `ENGINE_RETRY_S`, counted and reported in a heartbeat.
 - control: read the control topic from its start, catch up, then load the newest `WeightVersion`
   after checking its sha256; obey pause/resume/drain/stop `Command`s. A version that fails to
   load is reported and skipped: the worker keeps generating with the weights it has.
@@ -35,7 +36,7 @@ import numpy as np
 from miles.bus import Bus, TopicPartition
 from miles.bus.decoding import DecodingConsumer
 from miles.engines.base import Completion, RolloutEngine
-from miles.errors import ConfigError, MilesError
+from miles.errors import ConfigError, EngineError, MilesError
 from miles.protocol import (ALL_TARGETS, Command, Heartbeat, PromptTask, Sample, TrajectoryGroup,
                             WeightVersion, encode)
 from miles.protocol.topics import topic_name
@@ -46,6 +47,7 @@ from miles.weights.store import fetch_version
 
 log = logging.getLogger(__name__)
 ADMISSION_POLL_S = 0.02
+ENGINE_RETRY_S = 2.0  # pause before retrying a batch the engine failed on
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -93,7 +95,7 @@ class RolloutWorker:
         self.paused = False
         self.counts: dict[str, float] = {"producer/groups": 0, "producer/tokens": 0,
                                          "producer/generate_s": 0.0, "producer/other_s": 0.0,
-                                         "producer/load_s": 0.0,
+                                         "producer/load_s": 0.0, "producer/engine_errors": 0,
                                          "producer/weight_loads": 0, "producer/weight_errors": 0}
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
         self._newest: WeightVersion | None = None  # the version to load next
@@ -137,8 +139,23 @@ class RolloutWorker:
                 batch = await prompts.poll(max_records=self.config.prompts_per_batch,
                                            timeout_s=0.2)
                 if batch:
-                    await self._roll_out([d.value for d in batch])
+                    try:
+                        await self._roll_out([d.value for d in batch])
+                    except EngineError as err:
+                        await self._retry_later(consumer, batch, err, stop)
+                        continue
                     await consumer.commit()
+
+    async def _retry_later(self, consumer, batch, err: EngineError, stop: asyncio.Event) -> None:
+        """The engine failed on a batch (a server restart, a bad request): its prompts are not
+        committed; rewind to them and try again after a pause. Generation goes on."""
+        self._in_flight = 0
+        self.counts["producer/engine_errors"] += 1
+        log.error("generation failed, retrying the batch in %g s: %s", ENGINE_RETRY_S, err)
+        await self._heartbeat(error=f"generation failed: {err}")
+        for tp in {d.record.tp for d in batch}:
+            consumer.seek(tp, min(d.record.offset for d in batch if d.record.tp == tp))
+        await wait_or_stop(stop, ENGINE_RETRY_S)
 
     async def _trajectory_partitions(self) -> list[TopicPartition]:
         topic = self._topic("trajectories")
