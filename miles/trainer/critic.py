@@ -76,10 +76,16 @@ def new_value_head(model: nn.Module) -> nn.Linear:
     give the critic's body a gradient. Draws from torch's global RNG."""
     embeddings = model.get_input_embeddings().weight  # [V, H]
     head = nn.Linear(embeddings.shape[1], 1, device=embeddings.device, dtype=embeddings.dtype)
-    with torch.no_grad():
-        head.weight.normal_(std=1.0 / math.sqrt(embeddings.shape[1] + 1))
-        head.bias.zero_()
+    if head.weight.device.type != "meta":  # a meta head is initialised once materialised
+        init_value_head(head)
     return head
+
+
+@torch.no_grad()
+def init_value_head(head: nn.Linear) -> None:
+    """Weights ~ N(0, 1 / (hidden + 1)), bias 0 (also for a sharded head: DTensor ops)."""
+    head.weight.normal_(std=1.0 / math.sqrt(head.in_features + 1))
+    head.bias.zero_()
 
 
 def apply_fsdp_actor_critic(model: nn.Module, mesh=None, *,

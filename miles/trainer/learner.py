@@ -49,7 +49,8 @@ from miles.trainer import critic, distributed
 from miles.trainer.batching import (MicroBatch, idle_micro_batch, make_micro_batches,
                                     max_new_tokens, outcome_advantages)
 from miles.trainer.model import (LoraSettings, apply_fsdp, enable_activation_checkpointing,
-                                 export_adapter, export_full, load_policy, trainable_names)
+                                 export_adapter, export_full, load_policy, materialise_sharded,
+                                 trainable_names)
 
 LOGPROB_FLOOR = -100.0
 """Trainer logprobs are floored here: a sampled token the trainer's top-k/top-p filter removes
@@ -71,6 +72,7 @@ class LearnerConfig:
     seed: int = 0  # seeds the LoRA init (identical on every rank) and torch's RNG
     activation_checkpointing: bool = False  # recompute block activations in backward (memory)
     compile: bool = False  # torch.compile each decoder block of the trained model(s)
+    sharded_load: bool = False  # build on the meta device, read only this rank's weight slices
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)  # estimator, loss, ...
 
     def __post_init__(self) -> None:
@@ -130,16 +132,24 @@ class Learner:
         self.algorithm = config.algorithm
         self.device = distributed.init_distributed()
         torch.manual_seed(config.seed)  # same LoRA init on every rank
-        model, self.tokenizer = load_policy(model_dir, lora=lora)
+        meta = config.sharded_load
+        if meta and self.algorithm.uses_critic and lora is None:
+            raise ConfigError("learner.sharded_load with a full-parameter critic is not "
+                              "implemented; use LoRA or sharded_load=false")
+        model, self.tokenizer = load_policy(model_dir, lora=lora, meta=meta)
         if config.activation_checkpointing:
             enable_activation_checkpointing(model)
         self.critic = None  # full fine-tuning's value model (LoRA: an adapter of self.model)
         if self.algorithm.uses_critic and lora is not None:
             critic.add_critic(model, lora)
-            self.model = critic.apply_fsdp_actor_critic(model.to(self.device),
+            self.model = critic.apply_fsdp_actor_critic(self._placed(model),
                                                         compile_blocks=config.compile)
         else:
-            self.model = apply_fsdp(model.to(self.device), compile_blocks=config.compile)
+            self.model = apply_fsdp(self._placed(model), compile_blocks=config.compile)
+        if meta:
+            materialise_sharded(self.model, model_dir, self.device)
+            if self.algorithm.uses_critic:
+                critic.init_value_head(critic.value_head(self.model))
         if self.algorithm.uses_critic and lora is None:
             value_model = critic.ValueModel(load_policy(model_dir, lora=None)[0])
             if config.activation_checkpointing:
@@ -151,7 +161,10 @@ class Learner:
             torch.nn.ModuleDict({"actor": self.model, critic.CRITIC: self.critic})
         self.reference = None  # full fine-tuning: a frozen copy; LoRA: the disabled adapter
         if self.algorithm.uses_reference and lora is None:
-            self.reference = apply_fsdp(load_policy(model_dir, lora=None)[0].to(self.device))
+            reference = load_policy(model_dir, lora=None, meta=meta)[0]
+            self.reference = apply_fsdp(self._placed(reference))
+            if meta:
+                materialise_sharded(self.reference, model_dir, self.device)
             self.reference.requires_grad_(False)
         for module in self.trained.modules():  # the loss is already a global mean: sum over ranks
             if isinstance(module, FSDPModule):
@@ -165,6 +178,11 @@ class Learner:
         self.pad_id = int(pad_id if pad_id is not None else 0)
         self.policy_version = 0
         self.steps = 0  # train_step calls, critic warm-up included
+
+    def _placed(self, model: torch.nn.Module) -> torch.nn.Module:
+        """`model` on this rank's device, unless it is still on the meta device (sharded load:
+        `materialise_sharded` allocates it after sharding)."""
+        return model if self.config.sharded_load else model.to(self.device)
 
     def _param_groups(self) -> list[dict]:
         if not self.algorithm.uses_critic:

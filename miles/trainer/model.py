@@ -6,8 +6,9 @@ config built from it are the engines' (`miles.engines`), so trainer and engines 
 adapter's shape.
 
 Simplifications:
-- The model is materialised in full on every rank and then sharded (`fully_shard` keeps each
-  rank's shard); meta-device initialisation for models that do not fit one host comes later.
+- By default the model is materialised in full on every rank and then sharded (`fully_shard`
+  keeps each rank's shard); `load_policy(meta=True)` + `materialise_sharded` build it on the
+  meta device and read only each rank's slices (`learner.sharded_load`).
 - fp32 parameters and compute, no FSDP mixed-precision policy yet.
 - One policy adapter named "default" (the PPO critic adds its own, `miles.trainer.critic`).
 - Full weights are exported as one `model.safetensors` (no shards): the weight store announces
@@ -33,17 +34,23 @@ ADAPTER_NAME = "default"
 
 
 def load_policy(model_dir: str | Path, *, lora: LoraSettings | None,
-                dtype: torch.dtype = torch.float32) -> tuple[nn.Module, object]:
+                dtype: torch.dtype = torch.float32, meta: bool = False) -> tuple[nn.Module, object]:
     """(model, tokenizer) from `model_dir`; with `lora`, a peft model whose only trainable
     parameters are the adapter's. The adapter init draws from torch's global RNG: seed it first
-    (identically on every rank)."""
+    (identically on every rank). With `meta`, the model is only built, on the meta device (no
+    memory): shard it with `apply_fsdp`, then `materialise_sharded` reads the weights."""
     from peft import get_peft_model
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     from miles.engines.hf import lora_config  # the engines build their adapter the same way
 
     try:
-        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
+        if meta:
+            with torch.device("meta"):
+                model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir),
+                                                         dtype=dtype)
+        else:
+            model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
     except (OSError, ValueError) as exc:
         raise ConfigError(f"trainer.model_dir {str(model_dir)!r} could not be loaded: {exc}"
@@ -52,6 +59,41 @@ def load_policy(model_dir: str | Path, *, lora: LoraSettings | None,
     if lora is not None:
         model = get_peft_model(model, lora_config(lora), adapter_name=ADAPTER_NAME)
     return model, tokenizer
+
+
+def materialise_sharded(model: nn.Module, model_dir: str | Path, device: torch.device) -> None:
+    """Give a meta-built, `apply_fsdp`-sharded model (`load_policy(meta=True)`) its weights
+    without any rank holding them all: allocate this rank's shards, read exactly those slices
+    from the checkpoint's safetensors (`torch.distributed.checkpoint`'s Hugging Face reader),
+    then re-create what a checkpoint does not hold: rotary-embedding buffers and a fresh LoRA
+    init (DTensor random ops: the same values on every rank, not those of the unsharded path).
+    A collective: every rank calls it."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import HuggingFaceStorageReader
+
+    model.to_empty(device=device)
+    reader = HuggingFaceStorageReader(str(model_dir))
+    stored = reader.read_metadata().state_dict_metadata
+    targets = {checkpoint_name(name): param for name, param in model.named_parameters()
+               if "lora_" not in name and name.split(".")[0] != "value_head"}
+    missing = sorted(set(targets) - set(stored))
+    if missing:
+        raise ConfigError(f"{model_dir}: the checkpoint has no tensor for {missing[:5]}")
+    dcp.load(targets, storage_reader=reader)
+    with torch.no_grad():
+        for module in model.modules():
+            if type(module).__name__.endswith("RotaryEmbedding"):
+                fresh = type(module)(config=module.config).to(device)
+                for name, buffer in fresh.named_buffers(recurse=False):
+                    setattr(module, name, buffer)
+            if hasattr(module, "reset_lora_parameters"):
+                for adapter in module.lora_A:
+                    module.reset_lora_parameters(adapter, True)
+
+
+def checkpoint_name(name: str) -> str:
+    """The Hugging Face checkpoint key of parameter `name` of a (peft-wrapped) causal LM."""
+    return name.removeprefix("base_model.model.").replace(".base_layer.", ".")
 
 
 def decoder_layers(model: nn.Module) -> nn.ModuleList:

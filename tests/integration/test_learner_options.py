@@ -3,6 +3,8 @@ checkpointing and torch.compile of the decoder blocks give the same step as eage
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 from torch.distributed.tensor import DTensor
@@ -49,3 +51,30 @@ def test_compiled_blocks_give_the_same_step(model_dir):
     assert compiled["trainer/loss"] == pytest.approx(plain["trainer/loss"], abs=1e-5)
     for name, value in before.items():
         assert_close(after[name], value, atol=1e-5, rtol=1e-4, msg=name)
+
+
+def logits(learner, model=None) -> torch.Tensor:
+    ids = torch.tensor([[5, 6, 7, 8, 9, 10], [11, 12, 13, 14, 15, 16]])
+    with torch.no_grad():
+        return (model or learner.model)(input_ids=ids, use_cache=False).logits
+
+
+@pytest.mark.parametrize("algo, lora", [("grpo", LORA), ("ppo", LORA), ("grpo", None)],
+                         ids=["grpo-lora", "ppo-lora", "grpo-full-kl"])
+def test_sharded_load_starts_from_the_checkpoint_and_trains(model_dir, algo, lora):
+    from miles.config import load_config
+    from miles.rl.algorithm import AlgorithmConfig, preset
+
+    base = {**preset(algo), "loss": {**preset(algo).get("loss", {}), "kl_coef": 0.1}}
+    config = LearnerConfig(lr=1e-3, seed=0, algorithm=load_config(AlgorithmConfig, base=base))
+    plain = Learner(model_dir, config, lora=lora)
+    expected = logits(plain)
+    distributed.destroy()
+    sharded = Learner(model_dir, replace(config, sharded_load=True), lora=lora)
+    assert_close(logits(sharded), expected, atol=1e-6, rtol=1e-6)  # LoRA B = 0: the base
+    if sharded.reference is not None:
+        assert_close(logits(sharded, sharded.reference), expected, atol=1e-6, rtol=1e-6)
+    metrics = sharded.train_step([make_group(4, 6, vocab_size=VOCAB, seed=s) for s in range(3)])
+    assert metrics["trainer/skipped_step"] == 0.0 and sharded.policy_version == 1
+    assert ("trainer/value_loss" in metrics) == (algo == "ppo")
+    assert (logits(sharded) - expected).abs().max() > 1e-5  # the step moved the policy
