@@ -29,7 +29,6 @@ import json
 import logging
 import os
 import time
-import uuid
 from collections import Counter
 from contextlib import aclosing
 from dataclasses import dataclass, field
@@ -37,10 +36,11 @@ from pathlib import Path
 from typing import Literal
 
 from miles.bus import Bus
-from miles.bus.ranges import parse_bound, read_range
+from miles.bus.ranges import parse_bound
 from miles.engines.base import LoraSettings
-from miles.errors import ConfigError, MilesError
-from miles.protocol import TrajectoryGroup, decode
+from miles.errors import ConfigError
+from miles.experience.rows import read_groups, reader_group
+from miles.protocol import TrajectoryGroup
 from miles.protocol.topics import topic_name
 from miles.trainer.learner import LearnerConfig
 from miles.trainer.loop import uniform_rewards
@@ -116,36 +116,33 @@ class Replay:
 
     async def _groups(self):
         """Decoded groups of the range that pass the staleness and dynamic-sampling filters."""
-        topic = topic_name(self.config.run, "trajectories")
-        records = read_range(self.bus, topic, parse_bound(self.config.start),
-                             parse_bound(self.config.end), counts=self.counts,
-                             group_id=f"miles.{self.config.run}.replay.{uuid.uuid4().hex[:12]}")
+        invalid: Counter[str] = Counter()
+        records = read_groups(self.bus, topic_name(self.config.run, "trajectories"),
+                              parse_bound(self.config.start), parse_bound(self.config.end),
+                              group_id=reader_group(self.config.run, "replay"), invalid=invalid,
+                              counts=self.counts)
         waited = time.monotonic()
         async with aclosing(records):
-            async for record in records:
+            async for _, group in records:
                 self.counts["replay/read_s"] += time.monotonic() - waited
                 self.counts["replay/records"] += 1
-                group = self._admit(record.value)
-                if group is not None:
+                if group is None:
+                    self.counts["replay/invalid"] = invalid.total()
+                elif self._admit(group):
                     yield group
                 waited = time.monotonic()
 
-    def _admit(self, value: bytes) -> TrajectoryGroup | None:
-        try:
-            group = decode(value, TrajectoryGroup)
-        except MilesError:
-            self.counts["replay/invalid"] += 1
-            return None
+    def _admit(self, group: TrajectoryGroup) -> bool:
         versions = max(int(s.versions.max()) for s in group.samples)
         self.newest_recorded = max(self.newest_recorded, versions)
         if (self.config.staleness == "recorded"
                 and group.lag(self.newest_recorded) > self.config.max_staleness):
             self.counts["replay/dropped_stale"] += 1
-            return None
+            return False
         if self.learner.algorithm.dynamic_sampling and uniform_rewards(group):
             self.counts["replay/filtered_groups"] += 1
-            return None
-        return group
+            return False
+        return True
 
     async def _train(self, groups: list[TrajectoryGroup]) -> None:
         began = time.perf_counter()
