@@ -22,6 +22,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from miles.engines.base import LoraSettings
+from miles.errors import MilesError
+from miles.protocol import TrajectoryGroup, decode
 from miles.service import daemon_main, wait_or_stop
 
 
@@ -48,9 +50,6 @@ class StreamStats:
         self.invalid = 0
 
     def add(self, value: bytes) -> None:
-        from miles.errors import MilesError
-        from miles.protocol import TrajectoryGroup, decode
-
         try:
             group = decode(value, TrajectoryGroup)
         except MilesError:
@@ -68,9 +67,9 @@ class StreamStats:
                 "by_version": versions}
 
 
-def append(path: Path, line: dict) -> None:
+def append(path: Path, lines: list[dict]) -> None:
     with open(path, "a") as f:
-        f.write(json.dumps(line) + "\n")
+        f.write("".join(json.dumps(line) + "\n" for line in lines))
 
 
 async def run_evaluator(settings: EvaluatorSettings, stop: asyncio.Event) -> dict:
@@ -110,10 +109,10 @@ async def _report(settings: EvaluatorSettings, stats: StreamStats, evaluator,
                   stop: asyncio.Event) -> None:
     written = 0
     while not await wait_or_stop(stop, settings.every_s):
-        append(settings.out, stats.line())
-        for point in evaluator.curve.points[written:]:
-            append(settings.out, {"kind": "held_out", "time": time.time(), **point})
-        written = len(evaluator.curve.points)
+        points = evaluator.curve.points[written:]
+        append(settings.out, [stats.line()] + [{"kind": "held_out", "time": time.time(), **point}
+                                               for point in points])
+        written += len(points)
 
 
 def main(argv=None) -> int:

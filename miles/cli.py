@@ -65,6 +65,11 @@ def _add_topic_commands(sub: argparse._SubParsersAction) -> None:
                                 help="-1 keeps trajectories forever (replayable)")
 
 
+def kafka_url(bootstrap: str) -> str:
+    """`kafka://HOST:PORT` from a `--bootstrap` given with or without the scheme."""
+    return f"kafka://{bootstrap.removeprefix('kafka://')}"
+
+
 async def _topics(args: argparse.Namespace) -> int:
     from miles.bus import open_bus
     from miles.protocol.topics import run_topics
@@ -74,7 +79,7 @@ async def _topics(args: argparse.Namespace) -> int:
         "trajectory_partitions": args.trajectory_partitions,
         "trajectory_retention_ms": args.trajectory_retention_ms,
     } if args.action == "create" else {}))
-    url = args.bootstrap if args.bootstrap.startswith("kafka://") else f"kafka://{args.bootstrap}"
+    url = kafka_url(args.bootstrap)
     async with open_bus(url) as bus:
         if args.action == "create":
             created = set(await bus.create_topics(specs))
@@ -301,7 +306,7 @@ def _status(args: argparse.Namespace) -> int:
 
     if args.watch is not None and args.watch <= 0:
         raise ConfigError(f"--watch must be > 0 seconds, got {args.watch:g}")
-    url = args.bus or f"kafka://{args.bootstrap.removeprefix('kafka://')}"
+    url = args.bus or kafka_url(args.bootstrap)
     clear = args.watch is not None and sys.stdout.isatty()
 
     async def show(stop: asyncio.Event) -> int:

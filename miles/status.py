@@ -32,9 +32,8 @@ from collections import Counter, defaultdict
 from datetime import datetime, timezone
 
 from miles.bus.base import Bus, TopicPartition
-from miles.bus.ranges import Bound, RangeError, read_range
+from miles.bus.ranges import Bound, RangeError, read_range, reader_group
 from miles.errors import CodecError
-from miles.experience.rows import reader_group
 from miles.protocol import Heartbeat, decode
 from miles.protocol.topics import KINDS, topic_name
 

@@ -23,6 +23,7 @@ live run's groups.
 from __future__ import annotations
 
 import re
+import uuid
 from collections import deque
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -43,8 +44,11 @@ class Bound:
     value: int = 0  # the offset, or the time in epoch milliseconds
 
 
-def parse_bound(text: str) -> Bound:
-    """`earliest`, `latest`, an offset, `@<epoch ms>` or an ISO 8601 time (UTC if no zone)."""
+def parse_bound(text: str | Bound) -> Bound:
+    """`earliest`, `latest`, an offset, `@<epoch ms>` or an ISO 8601 time (UTC if no zone); a
+    `Bound` is returned as it is."""
+    if isinstance(text, Bound):
+        return text
     text = str(text).strip()
     if text in ("earliest", "latest"):
         return Bound(text)
@@ -60,6 +64,11 @@ def parse_bound(text: str) -> Bound:
     if moment.tzinfo is None:
         moment = moment.replace(tzinfo=timezone.utc)
     return Bound("time", int(moment.timestamp() * 1000))
+
+
+def reader_group(run: str, purpose: str) -> str:
+    """A fresh consumer group id: range reads commit nothing and share no group."""
+    return f"miles.{run}.{purpose}.{uuid.uuid4().hex[:12]}"
 
 
 async def assign_all(bus: Bus, consumer: Consumer, topic: str) -> list[TopicPartition]:

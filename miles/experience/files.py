@@ -33,9 +33,9 @@ from pathlib import Path
 import numpy as np
 
 from miles.bus.base import Bus
-from miles.bus.ranges import Bound
+from miles.bus.ranges import Bound, parse_bound, reader_group
 from miles.errors import ConfigError
-from miles.experience.rows import COLUMNS, TIMING_PREFIX, as_bound, read_groups, reader_group, rows
+from miles.experience.rows import COLUMNS, TIMING_PREFIX, read_groups, rows
 from miles.protocol.topics import topic_name
 
 log = logging.getLogger(__name__)
@@ -74,7 +74,7 @@ async def export(bus: Bus, run: str, start: Bound | str, end: Bound | str, out: 
     batch: list[dict] = []
     try:
         async for record, group in read_groups(
-                bus, topic_name(run, "trajectories"), as_bound(start), as_bound(end),
+                bus, topic_name(run, "trajectories"), parse_bound(start), parse_bound(end),
                 group_id=reader_group(run, "export"), invalid=invalid, counts=counts):
             records += 1
             if group is not None:

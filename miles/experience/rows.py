@@ -15,12 +15,11 @@ Simplifications:
 from __future__ import annotations
 
 import logging
-import uuid
 from collections import Counter
 from collections.abc import AsyncIterator
 
 from miles.bus.base import Bus, Record
-from miles.bus.ranges import Bound, parse_bound, read_range
+from miles.bus.ranges import Bound, read_range
 from miles.errors import CodecError
 from miles.protocol import TrajectoryGroup, decode
 
@@ -46,10 +45,6 @@ are null in rows built without a record."""
 
 SAMPLING_PREFIX = "sampling_"
 TIMING_PREFIX = "timing_"
-
-
-def as_bound(bound: Bound | str) -> Bound:
-    return bound if isinstance(bound, Bound) else parse_bound(bound)
 
 
 def rows(group: TrajectoryGroup, record: Record | None = None) -> list[dict]:
@@ -80,11 +75,6 @@ def rows(group: TrajectoryGroup, record: Record | None = None) -> list[dict]:
         }
         out.append(row | extras)
     return out
-
-
-def reader_group(run: str, purpose: str) -> str:
-    """A fresh consumer group id: range reads commit nothing and share no group."""
-    return f"miles.{run}.{purpose}.{uuid.uuid4().hex[:12]}"
 
 
 async def read_groups(bus: Bus, topic: str, start: Bound, end: Bound, *, group_id: str,

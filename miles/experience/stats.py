@@ -28,9 +28,9 @@ from dataclasses import dataclass, field
 from itertools import accumulate
 
 from miles.bus.base import Bus, Record
-from miles.bus.ranges import Bound, parse_bound, read_range
+from miles.bus.ranges import Bound, parse_bound, read_range, reader_group
 from miles.errors import CodecError
-from miles.experience.rows import as_bound, read_groups, reader_group
+from miles.experience.rows import read_groups
 from miles.protocol import Command, DeadLetter, TrajectoryGroup, WeightVersion, decode
 from miles.protocol.topics import topic_name
 
@@ -44,7 +44,7 @@ async def stats(bus: Bus, run: str, start: Bound | str = "earliest",
     """The summary of the run's trajectories in [start, end) (see the module docstring)."""
     topic = topic_name(run, "trajectories")
     summary = RangeSummary(announced=await announced_versions(bus, run))
-    async for record, group in read_groups(bus, topic, as_bound(start), as_bound(end),
+    async for record, group in read_groups(bus, topic, parse_bound(start), parse_bound(end),
                                            group_id=reader_group(run, "stats"),
                                            invalid=summary.invalid):
         summary.add(record, group)

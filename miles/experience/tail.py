@@ -23,9 +23,8 @@ from datetime import datetime, timezone
 import numpy as np
 
 from miles.bus.base import Bus, Record
-from miles.bus.ranges import Bound, assign_all, parse_bound, resolve_range
+from miles.bus.ranges import Bound, assign_all, parse_bound, reader_group, resolve_range
 from miles.errors import CodecError
-from miles.experience.rows import as_bound, reader_group
 from miles.protocol import (FLOAT_DTYPE, TOKEN_DTYPE, Command, DeadLetter, Heartbeat, PromptTask,
                             TrajectoryGroup, WeightVersion, WireRecord, decode)
 from miles.protocol.codec import unpack
@@ -50,7 +49,7 @@ async def tail(bus: Bus, run: str, kind: str = "trajectories", *, raw: bool = Fa
     topic = topic_name(run, kind)
     async with bus.consumer([topic], group_id=reader_group(run, "tail")) as consumer:
         tps = await assign_all(bus, consumer, topic)
-        bounds = await resolve_range(consumer, tps, as_bound(start), parse_bound("latest"))
+        bounds = await resolve_range(consumer, tps, parse_bound(start), parse_bound("latest"))
         for tp, (first, _) in bounds.items():
             consumer.seek(tp, first)
         if ready is not None:

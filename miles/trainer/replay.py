@@ -36,10 +36,10 @@ from pathlib import Path
 from typing import Literal
 
 from miles.bus import Bus
-from miles.bus.ranges import parse_bound
+from miles.bus.ranges import parse_bound, reader_group
 from miles.engines.base import LoraSettings
 from miles.errors import ConfigError
-from miles.experience.rows import read_groups, reader_group
+from miles.experience.rows import read_groups
 from miles.protocol import TrajectoryGroup
 from miles.protocol.topics import topic_name
 from miles.trainer.learner import LearnerConfig
