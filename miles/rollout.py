@@ -240,8 +240,7 @@ class RolloutWorker:
             while not stop.is_set():
                 for item in await control.poll(timeout_s=0.2):
                     await self._on_control(item.value, stop, drain)
-                if self._newest is not None and \
-                        self._newest.policy_version > self.engine.policy_version:
+                if self._newest is not None:  # newer than the engine's (`_on_version`)
                     await self._load(self._newest)
 
     async def _on_control(self, value, stop: asyncio.Event, drain: asyncio.Event) -> None:
@@ -287,7 +286,7 @@ class RolloutWorker:
             return
         began = time.perf_counter()
         try:
-            folder = await self._in_engine(fetch_version, version)
+            folder = await asyncio.to_thread(fetch_version, version)  # generation goes on
             await self._in_engine(self.engine.load_version, folder, version.policy_version,
                                   version.format)
         except MilesError as err:
@@ -319,6 +318,10 @@ class RolloutWorker:
         while not await wait_or_stop(stop, self.config.heartbeat_s):
             await self._heartbeat()
 
+    def load_latency_p50(self) -> float | None:
+        """Median seconds from a version's announcement to its use, over the last 1000 loads."""
+        return statistics.median(self.load_latencies) if self.load_latencies else None
+
     async def _heartbeat(self, error: str | None = None) -> None:
         elapsed = max(time.monotonic() - self._started, 1e-9)
         extra = {"groups": int(self.counts["producer/groups"]),
@@ -328,8 +331,8 @@ class RolloutWorker:
                  "generate_s": round(self.counts["producer/generate_s"], 3),
                  "other_s": round(self.counts["producer/other_s"], 3),
                  "load_s": round(self.counts["producer/load_s"], 3)}
-        if self.load_latencies:  # version announced -> loaded, median of the last 1000 loads
-            extra["load_latency_p50_s"] = round(statistics.median(self.load_latencies), 4)
+        if self.load_latencies:
+            extra["load_latency_p50_s"] = round(self.load_latency_p50(), 4)
         if error:
             extra["error"] = error
         beat = Heartbeat(producer_id=self.config.producer_id, role="producer",

@@ -10,7 +10,6 @@ import importlib.util
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from miles.config import choose
 from miles.engines.base import LoraSettings, RolloutEngine
 from miles.engines.vllm_server import VLLMServerSettings
 from miles.errors import ConfigError
@@ -67,7 +66,7 @@ ENGINES = {"hf": _hf_engine, "vllm-server": _vllm_server_engine, "vllm": _vllm_e
 
 def build_engine(settings: ProducerSettings) -> RolloutEngine:
     """The rollout engine named by `settings.engine`."""
-    return choose(ENGINES, settings.engine, "engine")(settings)
+    return ENGINES[settings.engine](settings)  # the name was checked with the settings
 
 
 async def run_producer(settings: ProducerSettings, stop) -> dict:
@@ -83,9 +82,7 @@ async def run_producer(settings: ProducerSettings, stop) -> dict:
     async with open_bus(settings.bus) as bus:
         worker = RolloutWorker(bus, engine, scorer, rollout)
         await worker.run(stop)
-    latencies = sorted(worker.load_latencies)
-    return {**worker.counts, "load_latency_p50_s": latencies[len(latencies) // 2]
-            if latencies else None}
+    return {**worker.counts, "load_latency_p50_s": worker.load_latency_p50()}
 
 
 def main(argv=None) -> int:

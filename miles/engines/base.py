@@ -152,3 +152,11 @@ class TokenizedEngine(RolloutEngine):
 
     def decode(self, token_ids: list[int] | np.ndarray) -> str:
         return self.tokenizer.decode(list(map(int, token_ids)), skip_special_tokens=True)
+
+    def _check_prompts(self, prompts: list[list[int]]) -> None:
+        """EngineError for an empty prompt or token ids outside the vocabulary."""
+        for i, prompt in enumerate(prompts):
+            if len(prompt) == 0:
+                raise EngineError(f"prompt {i} is empty")
+            if min(prompt) < 0 or max(prompt) >= self._vocab_size:
+                raise EngineError(f"prompt {i} has token ids outside [0, {self._vocab_size})")

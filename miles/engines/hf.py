@@ -121,13 +121,6 @@ class HFEngine(TokenizedEngine):
                 self.model.load_state_dict(state, strict=False)
             self._policy_version = policy_version
 
-    def _check_prompts(self, prompts: list[list[int]]) -> None:
-        for i, prompt in enumerate(prompts):
-            if len(prompt) == 0:
-                raise EngineError(f"prompt {i} is empty")
-            if min(prompt) < 0 or max(prompt) >= self._vocab_size:
-                raise EngineError(f"prompt {i} has token ids outside [0, {self._vocab_size})")
-
     def _completions(self, tokens: torch.Tensor, logprobs: torch.Tensor,
                      lengths: np.ndarray) -> list[Completion]:
         tokens_np = tokens.cpu().numpy().astype(np.int32)  # [B, S]

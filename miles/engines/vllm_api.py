@@ -51,6 +51,7 @@ from miles.errors import EngineError
 from miles.rl.sampling import SamplingParams
 
 TOKEN_ID_PREFIX = "token_id:"  # vLLM's spelling of a token under return_tokens_as_token_ids
+TOKEN_ID = re.compile(re.escape(TOKEN_ID_PREFIX) + r"(\d+)")
 CLAMPED_NEG_INF = -9999.0  # vLLM writes a -inf logprob as this (JSON has no infinity)
 LOGPROB_SLACK = 1e-4  # float32 log_softmax may exceed 0 by rounding; more is an error
 ERROR_TEXT_CHARS = 500  # how much of a server's reply goes into an error message
@@ -177,11 +178,12 @@ def _token_ids(choice: dict, logprobs: dict, where: str) -> list:
         if ids is None:
             raise EngineError(f"{where}: neither token_ids nor logprobs.tokens")
         return ids
-    if not isinstance(tokens, list) or not all(
-            isinstance(t, str) and re.fullmatch(r"token_id:\d+", t) for t in tokens):
+    matches = [TOKEN_ID.fullmatch(t) if isinstance(t, str) else None
+               for t in tokens] if isinstance(tokens, list) else [None]
+    if not all(matches):
         raise EngineError(f"{where}: tokens are not '{TOKEN_ID_PREFIX}N' strings: "
                           f"{str(tokens)[:ERROR_TEXT_CHARS]}")
-    parsed = [int(t.removeprefix(TOKEN_ID_PREFIX)) for t in tokens]
+    parsed = [int(m.group(1)) for m in matches]
     if ids is not None and ids != parsed:
         raise EngineError(f"{where}: token_ids {ids[:5]} disagree with logprobs.tokens "
                           f"{parsed[:5]}")

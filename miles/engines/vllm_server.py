@@ -150,11 +150,7 @@ class VLLMServerEngine(TokenizedEngine):
 
     def generate(self, prompts: list[list[int]], params: SamplingParams, *,
                  seed: int | None = None) -> list[list[Completion]]:
-        for i, prompt in enumerate(prompts):
-            if len(prompt) == 0:
-                raise EngineError(f"prompt {i} is empty")
-            if min(prompt) < 0 or max(prompt) >= self._vocab_size:
-                raise EngineError(f"prompt {i} has token ids outside [0, {self._vocab_size})")
+        self._check_prompts(prompts)
         if not prompts:
             return []
         with self._lock:

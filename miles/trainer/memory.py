@@ -319,8 +319,7 @@ def check_trainer_memory(model_dir: str | Path, *, lora: LoraSettings | None,
     if it will not fit this rank's device. Logs the estimate; an estimate that cannot be made
     is logged and returns None (the learner's own loading reports a bad model directory)."""
     try:
-        config = json.loads((Path(model_dir) / "config.json").read_text())
-        estimate = estimate_memory(ModelShape.from_hf_config(config),
+        estimate = estimate_memory(load_shape(str(model_dir)),
                                    trainer_plan(lora=lora, learner=learner))
         available, where = device_memory()
     except (OSError, ValueError, ConfigError) as exc:
