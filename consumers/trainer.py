@@ -15,7 +15,7 @@ from pathlib import Path
 
 from miles.config import log_config, parse_config_args
 from miles.engines.base import LoraSettings
-from miles.service import run_service
+from miles.service import configure_logging, run_service
 from miles.trainer.learner import LearnerConfig
 from miles.trainer.loop import LoopConfig
 
@@ -68,7 +68,7 @@ async def run_trainer(settings: TrainerSettings, runner, stop) -> dict:
 def main(argv=None) -> int:
     from miles.trainer import distributed
 
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging()
     settings = parse_args(argv)
     runner = build_runner(settings)
     try:

@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from miles import broker
+from miles.service import configure_logging
 from miles.errors import MilesError
 
 
@@ -229,8 +230,7 @@ def _replay(argv: list[str]) -> int:
     from miles.config import log_config, parse_config_args
     from miles.trainer.replay import ReplaySettings, run_replay
 
-    logging.basicConfig(level=logging.INFO,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging()
     try:
         settings = parse_config_args(ReplaySettings, argv, prog="miles replay",
                                      description="Train a fresh trainer on a recorded "
@@ -335,7 +335,7 @@ def _reading_bus(url: str):
 
 
 def _log_progress() -> None:
-    logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging(logging.WARNING)
     logging.getLogger("miles").setLevel(logging.INFO)
 
 

@@ -41,7 +41,7 @@ from miles.feeder import feed
 from miles.protocol.topics import run_topics
 from miles.rl.sampling import SamplingParams
 from miles.rollout import RolloutConfig, RolloutWorker
-from miles.service import run_service, wait_or_stop
+from miles.service import configure_logging, run_service, wait_or_stop
 from miles.sft import SFTConfig, supervised_warm_start
 from miles.tasks.datasets import BUILT_IN, load_problems
 from miles.tasks.rewards import resolve_reward
@@ -300,8 +300,7 @@ def with_run_name(config: DemoConfig) -> DemoConfig:
 
 
 def main_demo(config: DemoConfig) -> int:
-    logging.basicConfig(level=logging.INFO,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging()
     config = with_run_name(config)
     log_config(config)
     report = run_service(lambda stop: run_demo(config, stop))

@@ -16,6 +16,11 @@ from typing import TypeVar
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"  # every command's log lines
+
+
+def configure_logging(level: int = logging.INFO) -> None:
+    logging.basicConfig(level=level, format=LOG_FORMAT)
 
 
 async def run_until_stopped(main: Callable[[asyncio.Event], Awaitable[T]],
@@ -72,8 +77,7 @@ def daemon_main(settings_cls: type, argv, *, prog: str, doc: str,
 
     from miles.config import log_config, parse_config_args
 
-    logging.basicConfig(level=logging.INFO,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging()
     settings = parse_config_args(settings_cls, argv, prog=prog,
                                  description=doc.splitlines()[0])
     log_config(settings)

@@ -27,6 +27,7 @@ import re
 import string
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 
 from miles.errors import ConfigError
@@ -50,8 +51,9 @@ class DatasetFormat:
         if self.prompt_template is not None:
             template_fields(self.prompt_template)
 
+    @cached_property
     def required(self) -> list[str]:
-        """The fields every row must have (the id is optional)."""
+        """The fields every row must have (the id is optional); worked out once."""
         prompt = ([self.prompt_field] if self.prompt_template is None
                   else template_fields(self.prompt_template))
         return list(dict.fromkeys([*prompt, self.answer_field]))
@@ -79,7 +81,7 @@ def template_fields(template: str) -> list[str]:
 
 def to_problem(row: Mapping, fmt: DatasetFormat, where: str, default_id: str) -> Problem:
     """One row as a `Problem`; `where` names the row in errors."""
-    for name in fmt.required():
+    for name in fmt.required:
         if row.get(name) is None:
             raise ConfigError(f"{where}: field {name!r} is missing or null")
     if fmt.prompt_template is None:
@@ -188,10 +190,10 @@ def _read_arrow_dir(path: Path, fmt: DatasetFormat, name: str) -> list[Problem]:
 def _table_problems(names: list[str], read: Callable, fmt: DatasetFormat, where: str,
                     name: str) -> list[Problem]:
     """Rows of a columnar source: `read(columns)` gives a pyarrow table of those columns."""
-    for field in fmt.required():
+    for field in fmt.required:
         if field not in names:
             raise ConfigError(f"{where}: no field {field!r} (fields: {', '.join(names)})")
-    columns = [c for c in dict.fromkeys([*fmt.required(), fmt.id_field]) if c in names]
+    columns = [c for c in dict.fromkeys([*fmt.required, fmt.id_field]) if c in names]
     rows = read(columns).to_pylist()
     return _nonempty([to_problem(row, fmt, f"{where}: row {number}", f"{name}-{number}")
                       for number, row in enumerate(rows, start=1)], where)
