@@ -61,43 +61,50 @@ class Recorder:
         return {"files": self.files, "rows": self.rows, "invalid": self.invalid}
 
     async def _one_file(self, consumer, stop: asyncio.Event) -> None:
-        """Collect rows until the file is full, old or the recorder stops; write; commit."""
+        """Stream rows into one Parquet file (`BATCH_ROWS` at a time) until it is full, old or
+        the recorder stops; put it in place; then commit the offsets of its records."""
         from miles.errors import CodecError
         from miles.experience import rows
+        from miles.experience.files import BATCH_ROWS
         from miles.protocol import TrajectoryGroup, decode
 
-        batch: list[dict] = []
-        offsets = {}
+        sink, pending, written, offsets = None, [], 0, {}
         opened = time.monotonic()
-        while (len(batch) < self.settings.file_rows and not stop.is_set()
-               and time.monotonic() - opened < self.settings.file_seconds):
-            for record in await consumer.poll(timeout_s=0.5):
-                offsets[record.tp] = record.offset + 1
-                try:
-                    batch.extend(rows(decode(record.value, TrajectoryGroup), record))
-                except CodecError:
-                    self.invalid += 1
-        if batch:
-            await asyncio.to_thread(self._write, batch)
+        try:
+            while (written + len(pending) < self.settings.file_rows and not stop.is_set()
+                   and time.monotonic() - opened < self.settings.file_seconds):
+                for record in await consumer.poll(timeout_s=0.5):
+                    offsets[record.tp] = record.offset + 1
+                    try:
+                        pending.extend(rows(decode(record.value, TrajectoryGroup), record))
+                    except CodecError:
+                        self.invalid += 1
+                if len(pending) >= BATCH_ROWS:
+                    sink = sink or self._new_sink()
+                    await asyncio.to_thread(sink.write, pending)
+                    written, pending = written + len(pending), []
+            if pending:
+                sink = sink or self._new_sink()
+                await asyncio.to_thread(sink.write, pending)
+                written += len(pending)
+            if sink is not None:
+                await asyncio.to_thread(sink.finish)
+        except BaseException:
+            if sink is not None:
+                sink.abort()
+            raise
+        if sink is not None:
+            self.files += 1
+            self.rows += written
+            log.info("recorded %d rows to %s", written, sink.path)
         if offsets:
             await consumer.commit(offsets)
 
-    def _write(self, batch: list[dict]) -> None:
-        from miles.experience.files import BATCH_ROWS, ParquetSink
+    def _new_sink(self):
+        from miles.experience.files import ParquetSink
 
         stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
-        path = self.settings.out_dir / f"part-{stamp}-{self.files:06d}.parquet"
-        sink = ParquetSink(path)
-        try:
-            for start in range(0, len(batch), BATCH_ROWS):
-                sink.write(batch[start:start + BATCH_ROWS])
-            sink.finish()
-        except BaseException:
-            sink.abort()
-            raise
-        self.files += 1
-        self.rows += len(batch)
-        log.info("recorded %d rows to %s", len(batch), path)
+        return ParquetSink(self.settings.out_dir / f"part-{stamp}-{self.files:06d}.parquet")
 
 
 async def run_recorder(settings: RecorderSettings, stop: asyncio.Event) -> dict:
