@@ -155,7 +155,13 @@ def server_settings(data_dir: Path, port: int, controller_port: int) -> dict[str
 
 
 def _cluster_id() -> str:
-    return base64.urlsafe_b64encode(uuid.uuid4().bytes).decode().rstrip("=")
+    """A random KRaft cluster id (URL-safe base64 of 16 bytes). Never one starting with "-",
+    which the storage tool would read as an option (Kafka's own Uuid.randomUuid avoids it too);
+    1 id in 64 did, and formatting then failed."""
+    while True:
+        cluster_id = base64.urlsafe_b64encode(uuid.uuid4().bytes).decode().rstrip("=")
+        if not cluster_id.startswith("-"):
+            return cluster_id
 
 
 def _format_storage(libs_dir: Path, data_dir: Path) -> None:

@@ -67,3 +67,12 @@ def test_topics_service_creates_the_run_topics_on_the_network_listener(compose):
     for name in ("producer", "trainer"):
         assert compose["services"][name]["depends_on"]["topics"]["condition"] == \
             "service_completed_successfully"
+
+
+def test_cluster_ids_never_start_with_a_dash(monkeypatch):
+    """The storage tool reads a leading "-" as an option: such an id must be drawn again."""
+    import uuid
+
+    draws = iter([uuid.UUID(bytes=b"\xf8" + bytes(15)), uuid.UUID(bytes=bytes(16))])
+    monkeypatch.setattr(broker.uuid, "uuid4", lambda: next(draws))
+    assert broker._cluster_id() == "AAAAAAAAAAAAAAAAAAAAAA"  # the "-" id was skipped
