@@ -6,14 +6,24 @@ so the per-token tensors (`response_mask`, `behaviour_logprobs`) are aligned wit
 rewards of the whole batch (`outcome_advantages`: reward shaping, then the configured estimator)
 before the samples are spread over micro-batches.
 
+Two layouts of a micro-batch's rows for the model:
+- padded: one right-padded row per sample, `attention_mask` marks the real tokens;
+- packed (`packed=True`): every sample of the micro-batch concatenated into one row whose
+  `position_ids` restart at 0 for each sample and no `attention_mask`. Hugging Face models built
+  on `transformers.masking_utils` (Llama, Qwen2, Mistral, Gemma, ...) read restarting positions
+  as separate sequences (block-diagonal causal attention), so no compute goes to padding.
+Either way the per-token tensors the loss reads (`response_mask`, `behaviour_logprobs`, and what
+`MicroBatch.unpack` returns) have the padded [B, L-1] layout, one row per sample, so every loss
+aggregation sees the same rows under both layouts.
+
 Simplifications:
-- The budget counts padded tokens (rows x longest row), what activation memory scales with.
-  Rows are sorted by length (longest first) to waste little padding, then packed greedily. A
-  single row longer than the budget gets a micro-batch of its own: the budget is a target, and
-  a long sample is trained rather than dropped.
+- The budget counts the tokens of a forward: rows x longest row when padded, the sum of the
+  rows' lengths when packed. Rows are sorted by length (longest first), then placed greedily
+  (padded: in order; packed: first micro-batch with room). A single row longer than the budget
+  gets a micro-batch of its own: the budget is a target, and a long sample is trained rather
+  than dropped.
 - One sampling setting (temperature, top_k, top_p) per micro-batch: rows are split by setting
   first, so a batch mixing settings gives more, smaller micro-batches, never an error.
-- No sequence packing (several rows concatenated into one with block-diagonal attention).
 - Estimators that normalise over the batch (`reinforce_pp`) see all groups at once when every
   group has the same number of samples; a batch mixing group sizes is estimated group by group.
 """
@@ -43,20 +53,31 @@ class SamplingSetting:
 class MicroBatch:
     """One forward/backward worth of rows, all sampled under `sampling`."""
 
-    input_ids: torch.Tensor  # [B, L] int64, prompt + response, right-padded
-    attention_mask: torch.Tensor  # [B, L] int64, 1 on real tokens
-    position_ids: torch.Tensor  # [B, L] int64, 0..len-1 on real tokens, 0 on padding
-    response_mask: torch.Tensor  # [B, L-1] bool: target t (= input_ids[:, t+1]) is a trained
-    # response token (all response tokens of a row, none for a masked row)
+    input_ids: torch.Tensor  # [R, T] int64 model input: R = B right-padded rows of prompt +
+    # response (T = L), or R = 1 packed row of all of them (T = sum of their lengths)
+    attention_mask: torch.Tensor | None  # [R, T] int64, 1 on real tokens; None when packed
+    position_ids: torch.Tensor  # [R, T] int64, 0..len-1 on each sample's tokens, 0 on padding
+    response_mask: torch.Tensor  # [B, L-1] bool: target t of a sample (its token t+1) is a
+    # trained response token (all response tokens of a row, none for a masked row)
     behaviour_logprobs: torch.Tensor  # [B, L-1] float32 engine logprobs of the targets, 0 off-mask
     advantages: torch.Tensor  # [B] float32 outcome advantages (0 under the critic: GAE is later)
     rewards: torch.Tensor  # [B] float32 shaped rewards
     sampling: SamplingSetting
     sample_ids: tuple[tuple[str, int], ...]  # [B] (group_id, index in group.samples)
+    layout: torch.Tensor | None = None  # packed: [B, L-1] int64 index of each sample's target
+    # t among the packed row's T-1 predictions (0 past the sample's end); None: padded
 
     @property
     def targets(self) -> torch.Tensor:
-        return self.input_ids[:, 1:]  # [B, L-1]
+        """The token each model position predicts, [R, T-1] (model layout)."""
+        return self.input_ids[:, 1:]
+
+    def unpack(self, values: torch.Tensor) -> torch.Tensor:
+        """Per-prediction `values` of the model layout ([R, T-1]) in the per-sample layout
+        ([B, L-1]) of `response_mask`; entries past a sample's end are arbitrary."""
+        if self.layout is None:
+            return values
+        return values.reshape(-1)[self.layout.to(values.device)]
 
     @property
     def num_tokens(self) -> int:
@@ -130,51 +151,72 @@ def group_rows(group: TrajectoryGroup, rewards: torch.Tensor, advantages: torch.
             for i, sample in enumerate(group.samples)]
 
 
-def pack_rows(rows: list[_Row], max_tokens: int) -> list[list[_Row]]:
-    """Greedy packing of `rows` (longest first) into lists whose rows x longest <= max_tokens."""
-    packs: list[list[_Row]] = []
-    current: list[_Row] = []
+def pack_rows(rows: list[_Row], max_tokens: int, *, packed: bool = False) -> list[list[_Row]]:
+    """`rows` (longest first) split into micro-batches of at most `max_tokens` tokens: rows x
+    longest when padded (filled in order), the sum of lengths when packed (first fit)."""
+    batches: list[list[_Row]] = []
+    loads: list[int] = []  # packed: tokens in each batch
     for row in sorted(rows, key=lambda r: r.length, reverse=True):
-        longest = current[0].length if current else row.length
-        if current and (len(current) + 1) * longest > max_tokens:
-            packs.append(current)
-            current = []
-        current.append(row)
-    if current:
-        packs.append(current)
-    return packs
+        into = None
+        if packed:
+            into = next((i for i, load in enumerate(loads) if load + row.length <= max_tokens),
+                        None)
+        elif batches and (len(batches[-1]) + 1) * batches[-1][0].length <= max_tokens:
+            into = len(batches) - 1  # batches[-1][0] is the longest row of the last batch
+        if into is None:
+            batches.append([])
+            loads.append(0)
+            into = len(batches) - 1
+        batches[into].append(row)
+        loads[into] += row.length
+    return batches
 
 
-def collate(rows: list[_Row], sampling: SamplingSetting, *, pad_id: int) -> MicroBatch:
-    """Right-padded tensors of `rows`."""
+def collate(rows: list[_Row], sampling: SamplingSetting, *, pad_id: int,
+            packed: bool = False) -> MicroBatch:
+    """The tensors of `rows`: right-padded rows, or one packed row (see the module docstring)."""
     width = max(r.length for r in rows)
-    input_ids = torch.full((len(rows), width), pad_id, dtype=torch.int64)  # [B, L]
-    attention_mask = torch.zeros((len(rows), width), dtype=torch.int64)  # [B, L]
-    position_ids = torch.zeros((len(rows), width), dtype=torch.int64)  # [B, L]
     response_mask = torch.zeros((len(rows), width - 1), dtype=torch.bool)  # [B, L-1]
     behaviour = torch.zeros((len(rows), width - 1), dtype=torch.float32)  # [B, L-1]
+    tokens = []  # [n] per row
     for b, row in enumerate(rows):
         p, n = len(row.prompt), row.length
-        input_ids[b, :p] = torch.from_numpy(row.prompt.astype(np.int64))
-        input_ids[b, p:n] = torch.from_numpy(row.sample.response_token_ids.astype(np.int64))
-        attention_mask[b, :n] = 1
-        position_ids[b, :n] = torch.arange(n)
+        tokens.append(torch.from_numpy(np.concatenate([row.prompt, row.sample.response_token_ids])
+                                       .astype(np.int64)))
         response_mask[b, p - 1:n - 1] = row.trained  # targets p..n-1 are predicted at p-1..n-2
         behaviour[b, p - 1:n - 1] = torch.from_numpy(row.sample.logprobs.astype(np.float32))
+    positions = [torch.arange(len(t)) for t in tokens]
+    layout = None
+    if packed:
+        input_ids = torch.cat(tokens).unsqueeze(0)  # [1, T]
+        position_ids = torch.cat(positions).unsqueeze(0)  # [1, T]
+        attention_mask = None
+        layout = torch.zeros((len(rows), width - 1), dtype=torch.int64)  # [B, L-1]
+        offset = 0
+        for b, row in enumerate(rows):
+            layout[b, :row.length - 1] = torch.arange(offset, offset + row.length - 1)
+            offset += row.length
+    else:
+        input_ids = torch.nn.utils.rnn.pad_sequence(tokens, batch_first=True,
+                                                    padding_value=pad_id)  # [B, L]
+        position_ids = torch.nn.utils.rnn.pad_sequence(positions, batch_first=True)  # [B, L]
+        attention_mask = torch.nn.utils.rnn.pad_sequence(
+            [torch.ones(len(t), dtype=torch.int64) for t in tokens], batch_first=True)  # [B, L]
     return MicroBatch(
         input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
         response_mask=response_mask, behaviour_logprobs=behaviour,
         advantages=torch.tensor([r.advantage for r in rows], dtype=torch.float32),
         rewards=torch.tensor([r.reward for r in rows], dtype=torch.float32),
-        sampling=sampling, sample_ids=tuple(r.sample_id for r in rows))
+        sampling=sampling, sample_ids=tuple(r.sample_id for r in rows), layout=layout)
 
 
 def make_micro_batches(groups: list[TrajectoryGroup], *, max_tokens: int, pad_id: int = 0,
                        algorithm: AlgorithmConfig = AlgorithmConfig(),
-                       outcomes: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None
-                       ) -> list[MicroBatch]:
-    """Micro-batches holding every sample of `groups` exactly once. `outcomes`: the (rewards,
-    advantages) of `groups` when computed over a larger batch (default: over `groups`)."""
+                       outcomes: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None,
+                       packed: bool = False) -> list[MicroBatch]:
+    """Micro-batches holding every sample of `groups` exactly once, padded or `packed`.
+    `outcomes`: the (rewards, advantages) of `groups` when computed over a larger batch
+    (default: over `groups`)."""
     if max_tokens < 1:
         raise MilesError(f"max_tokens must be >= 1, got {max_tokens}")
     for group in groups:
@@ -186,8 +228,9 @@ def make_micro_batches(groups: list[TrajectoryGroup], *, max_tokens: int, pad_id
     for group, r, a in zip(groups, rewards, advantages, strict=True):
         by_setting.setdefault(sampling_setting(group), []).extend(
             group_rows(group, r, a, mask_truncated=algorithm.mask_truncated))
-    return [collate(pack, setting, pad_id=pad_id)
-            for setting, rows in by_setting.items() for pack in pack_rows(rows, max_tokens)]
+    return [collate(rows, setting, pad_id=pad_id, packed=packed)
+            for setting, all_rows in by_setting.items()
+            for rows in pack_rows(all_rows, max_tokens, packed=packed)]
 
 
 def idle_micro_batch(*, pad_id: int = 0) -> MicroBatch:

@@ -143,7 +143,7 @@ def disabled_adapters(model: nn.Module) -> Iterator[nn.Module]:
         restore_requires_grad(flags)
 
 
-def values(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+def values(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
            position_ids: torch.Tensor) -> torch.Tensor:
     """Critic value of every position, [B, L]: the last hidden state (after the final norm) of
     the critic-adapted base, through the value head. Differentiable; a collective under FSDP2."""
@@ -156,8 +156,9 @@ def values(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tens
 
 
 @torch.no_grad()
-def reference_logits(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                     position_ids: torch.Tensor) -> torch.Tensor:
+def reference_logits(model: nn.Module, input_ids: torch.Tensor,
+                     attention_mask: torch.Tensor | None, position_ids: torch.Tensor
+                     ) -> torch.Tensor:
     """Logits of the reference policy (the base, adapters disabled), [B, L, V], no graph."""
     with disabled_adapters(model):
         out = model(input_ids=input_ids, attention_mask=attention_mask,
@@ -174,7 +175,7 @@ class ValueModel(nn.Module):
         self.lm = lm
         setattr(self, VALUE_HEAD, new_value_head(lm))
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
                 position_ids: torch.Tensor) -> torch.Tensor:
         """Value of every position, [B, L]."""
         out = self.lm(input_ids=input_ids, attention_mask=attention_mask,

@@ -25,6 +25,7 @@ Simplifications:
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -50,7 +51,9 @@ from miles.trainer.batching import (MicroBatch, idle_micro_batch, make_micro_bat
                                     max_new_tokens, outcome_advantages)
 from miles.trainer.model import (LoraSettings, apply_fsdp, enable_activation_checkpointing,
                                  export_adapter, export_full, load_policy, materialise_sharded,
-                                 trainable_names)
+                                 packing_supported, trainable_names)
+
+log = logging.getLogger(__name__)
 
 LOGPROB_FLOOR = -100.0
 """Trainer logprobs are floored here: a sampled token the trainer's top-k/top-p filter removes
@@ -68,7 +71,10 @@ class LearnerConfig:
     betas: tuple[float, float] = (0.9, 0.999)  # AdamW moment decay rates
     adam_eps: float = 1e-8  # AdamW denominator epsilon
     grad_clip: float = 1.0  # max global gradient norm (inf disables clipping)
-    max_tokens_per_micro_batch: int = 8192  # padded tokens (rows x longest) per forward
+    max_tokens_per_micro_batch: int = 8192  # tokens per forward (packed: their sum; padded:
+    # rows x longest row)
+    sequence_packing: bool = True  # one row of concatenated samples per forward (no compute on
+    # padding); false, or a model that ignores restarting position_ids: right-padded rows
     seed: int = 0  # seeds the LoRA init (identical on every rank) and torch's RNG
     activation_checkpointing: bool = False  # recompute block activations in backward (memory)
     compile: bool = False  # torch.compile each decoder block of the trained model(s)
@@ -176,6 +182,11 @@ class Learner:
                                            weight_decay=config.weight_decay)
         pad_id = self.tokenizer.pad_token_id
         self.pad_id = int(pad_id if pad_id is not None else 0)
+        self.packing = config.sequence_packing and packing_supported(self.model, self.device)
+        if config.sequence_packing and not self.packing:
+            log.warning("%s ignores restarting position_ids (packed sequences would attend to "
+                        "each other): micro-batches are padded instead",
+                        self.model.config.model_type)
         self.policy_version = 0
         self.steps = 0  # train_step calls, critic warm-up included
 
@@ -196,13 +207,20 @@ class Learner:
 
     # -- scoring ------------------------------------------------------------------------------
 
+    def _inputs(self, batch: MicroBatch) -> tuple:
+        """(input_ids, attention_mask or None, position_ids) of `batch` on this rank's device."""
+        mask = batch.attention_mask
+        return (batch.input_ids.to(self.device), None if mask is None else mask.to(self.device),
+                batch.position_ids.to(self.device))
+
     def _forward(self, model, batch: MicroBatch):
-        return model(input_ids=batch.input_ids.to(self.device),
-                     attention_mask=batch.attention_mask.to(self.device),
-                     position_ids=batch.position_ids.to(self.device), use_cache=False)
+        input_ids, attention_mask, position_ids = self._inputs(batch)
+        return model(input_ids=input_ids, attention_mask=attention_mask,
+                     position_ids=position_ids, use_cache=False)
 
     def _processed(self, logits: torch.Tensor, batch: MicroBatch) -> torch.Tensor:
-        """Logits of the distribution each target was sampled from, [B, L-1, V]."""
+        """Logits of the distribution each target was sampled from, [R, T-1, V] (model
+        layout: `batch.unpack` turns per-prediction values into per-sample rows)."""
         s = batch.sampling
         return process_logits(logits[:, :-1], temperature=s.temperature, top_k=s.top_k,
                               top_p=s.top_p)
@@ -210,8 +228,8 @@ class Learner:
     def _gather(self, processed: torch.Tensor, batch: MicroBatch) -> torch.Tensor:
         """Floored logprobs of the targets under `processed` logits, [B, L-1]."""
         logp = processed.log_softmax(dim=-1).gather(
-            -1, batch.targets.to(self.device).unsqueeze(-1)).squeeze(-1)
-        return logp.clamp(min=LOGPROB_FLOOR)
+            -1, batch.targets.to(self.device).unsqueeze(-1)).squeeze(-1)  # [R, T-1]
+        return batch.unpack(logp.clamp(min=LOGPROB_FLOOR))
 
     def score(self, batch: MicroBatch) -> torch.Tensor:
         """Logprobs of the targets of `batch` under the policy (floored), [B, L-1]. A forward
@@ -229,11 +247,9 @@ class Learner:
 
     def _values(self, batch: MicroBatch) -> torch.Tensor:
         """Critic values of the states that predict each target, [B, L-1]."""
-        inputs = (batch.input_ids.to(self.device), batch.attention_mask.to(self.device),
-                  batch.position_ids.to(self.device))
         if self.critic is not None:
-            return self.critic(*inputs)[:, :-1]
-        return critic.values(self.model, *inputs)[:, :-1]
+            return batch.unpack(self.critic(*self._inputs(batch))[:, :-1])
+        return batch.unpack(critic.values(self.model, *self._inputs(batch))[:, :-1])
 
     # -- the step -----------------------------------------------------------------------------
 
@@ -245,7 +261,7 @@ class Learner:
         mine = (groups[rank::world], outcomes[0][rank::world], outcomes[1][rank::world])
         batches = make_micro_batches(mine[0], max_tokens=self.config.max_tokens_per_micro_batch,
                                      pad_id=self.pad_id, algorithm=self.algorithm,
-                                     outcomes=(mine[1], mine[2]))
+                                     outcomes=(mine[1], mine[2]), packed=self.packing)
         most = int(distributed.all_reduce_max(torch.tensor([len(batches)]))[0])
         return batches + [idle_micro_batch(pad_id=self.pad_id)] * (most - len(batches))
 
@@ -348,8 +364,8 @@ class Learner:
         settings = self.algorithm.loss
         processed = self._processed(self._forward(self.model, batch).logits, batch)
         logp = self._gather(processed, batch)  # [B, L-1]
-        entropy = entropy_from_logits(processed if settings.entropy_coef  # [B, L-1]
-                                      else processed.detach())  # 0: measured only
+        entropy = batch.unpack(entropy_from_logits(  # [B, L-1]
+            processed if settings.entropy_coef else processed.detach()))  # 0: measured only
         proximal = extra.proximal if extra.proximal is not None else logp.detach()
         advantages = extra.advantages if extra.advantages is not None else \
             batch.advantages.to(self.device).unsqueeze(1)  # [B, L-1] or [B, 1]

@@ -159,7 +159,7 @@ class Plan:
     reference: bool = False  # a reference policy (KL term, loss.kl_coef > 0)
     dtype: str = "fp32"  # "fp32" (Miles today) or "bf16" (with fp32 master weights)
     ranks: int = 1  # FSDP2 ranks sharing the state
-    tokens: int = 8192  # padded tokens per micro-batch (learner.max_tokens_per_micro_batch)
+    tokens: int = 8192  # tokens per micro-batch (learner.max_tokens_per_micro_batch)
     activation_checkpointing: bool = False  # per decoder block (learner.activation_checkpointing)
     meta_init: bool = False  # False: each copy is materialised on every rank, then sharded
     cpu_offload: bool = False  # sharded weights, gradients and optimizer state in host memory

@@ -126,6 +126,22 @@ def enable_activation_checkpointing(model: nn.Module) -> None:
     base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
 
+@torch.no_grad()
+def packing_supported(model: nn.Module, device: torch.device) -> bool:
+    """Whether `model` reads position_ids that restart at 0 as separate sequences (block-diagonal
+    attention, see `miles.trainer.batching`): two sequences packed into one row must give the
+    logits each gives alone. Models whose masks ignore position_ids attend across the boundary
+    and differ by a large fraction of the logits' scale. A collective forward under FSDP2."""
+    lengths = (4, 3)
+    ids = torch.arange(sum(lengths), device=device).unsqueeze(0) % model.config.vocab_size
+    positions = torch.cat([torch.arange(n, device=device) for n in lengths]).unsqueeze(0)
+    packed = model(input_ids=ids, position_ids=positions, use_cache=False).logits[0]
+    alone = torch.cat([model(input_ids=part, use_cache=False).logits[0]
+                       for part in ids.split(lengths, dim=1)])
+    scale = float(alone.abs().max())
+    return float((packed - alone).abs().max()) <= 0.02 * max(scale, 1e-6)
+
+
 def trainable_names(model: nn.Module) -> set[str]:
     """Fully qualified names of the parameters the optimizer updates."""
     return {name for name, param in model.named_parameters() if param.requires_grad}

@@ -2,15 +2,24 @@
 
 Run under `torchrun --nproc_per_node N` (N ranks) or plain `python` (one self-initialised rank):
     fsdp_worker.py MODEL_DIR OUT_DIR ALGO [RESUME_CHECKPOINT]
+    fsdp_worker.py MODEL_DIR OUT_DIR gradients
 The groups reach ranks > 0 through `broadcast_bytes` (wire encoding). Without a checkpoint: one
 step, OUT_DIR/metrics.json and OUT_DIR/adapter/ (peft format), a checkpoint OUT_DIR/ckpt/, a
 second step and OUT_DIR/adapter2/. With one: load it (saved on any number of ranks), take the
-second step, write OUT_DIR/adapter2/.
+second step, write OUT_DIR/adapter2/. `gradients`: for each case of `GRADIENT_CASES` (an algorithm
+and loss aggregation, each under packed and padded micro-batches with a small and a large token
+budget), the full fine-tuning gradients of the first optimizer step, before clipping, in
+OUT_DIR/gradients.safetensors (keys CASE/LAYOUT/BUDGET/PARAMETER), and each run's micro-batch
+count in OUT_DIR/micro_batches.json.
 """
 
 import json
 import sys
 from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+from torch.distributed.tensor import DTensor
 
 from miles.config import build
 from miles.protocol import decode, encode
@@ -73,5 +82,62 @@ def first_step(learner: Learner, out: Path) -> None:
     save_checkpoint(out / "ckpt", 1, learner.state_dict(), {"offsets": {}})
 
 
+GRADIENT_CASES = {  # name: (preset, loss aggregation)
+    "token_mean": ("grpo", "token_mean"),
+    "seq_mean_token_mean": ("grpo", "seq_mean_token_mean"),
+    "seq_sum_constant": ("dr_grpo", "seq_sum_constant"),
+    "gspo": ("gspo", "seq_mean_token_mean"),  # sequence-level ratios
+    "ppo": ("ppo", "token_mean"),  # critic values and GAE whitening
+}
+BUDGETS = {"one": 10_000, "many": 40}  # tokens per micro-batch: all rows at once, or ~3 rows
+
+
+def first_step_gradients(learner: Learner, groups: list) -> dict[str, torch.Tensor]:
+    """The gradients the first optimizer step of `learner.train_step(groups)` applies, before
+    clipping, unsharded (a collective: every rank calls it)."""
+    captured: dict[str, torch.Tensor] = {}
+    step = learner._step
+
+    def capture() -> float:
+        if not captured:  # the first optimizer step only
+            for name, param in learner.trained.named_parameters():
+                if param.grad is not None:
+                    grad = param.grad.full_tensor() if isinstance(param.grad, DTensor) \
+                        else param.grad
+                    captured[name] = grad.clone()
+        return step()
+
+    learner._step = capture
+    learner.train_step(groups)
+    return captured
+
+
+def gradients(model_dir: str, out_dir: str) -> None:
+    groups = shipped_groups()
+    out, counts = {}, {}
+    for case, (algo, aggregation) in GRADIENT_CASES.items():
+        overrides = preset(algo)
+        overrides["loss"] = {**overrides.get("loss", {}), "aggregation": aggregation}
+        for packed in (False, True):
+            for budget, max_tokens in BUDGETS.items():
+                config = LearnerConfig(max_tokens_per_micro_batch=max_tokens,
+                                       sequence_packing=packed,
+                                       algorithm=build(AlgorithmConfig, overrides))
+                learner = Learner(model_dir, config, lora=None)
+                key = f"{case}/{'packed' if packed else 'padded'}/{budget}"
+                assert learner.packing == packed, key
+                counts[key] = len(learner.micro_batches(groups))  # a collective
+                for name, grad in first_step_gradients(learner, groups).items():
+                    out[f"{key}/{name}"] = grad
+    if distributed.is_main():
+        save_file(out, str(Path(out_dir) / "gradients.safetensors"))
+        (Path(out_dir) / "micro_batches.json").write_text(json.dumps(counts, indent=2))
+    distributed.barrier()
+    distributed.destroy()
+
+
 if __name__ == "__main__":
-    main(*sys.argv[1:5])
+    if sys.argv[3] == "gradients":
+        gradients(*sys.argv[1:3])
+    else:
+        main(*sys.argv[1:5])

@@ -1,4 +1,5 @@
-"""Two FSDP2 ranks (torchrun, gloo, CPU) take the same step as one rank.
+"""Two FSDP2 ranks (torchrun, gloo, CPU) take the same step as one rank, and gradients do not
+depend on ranks, micro-batching or sequence packing.
 
 Each run is a subprocess (`fsdp_worker.py`), so no process group leaks into the test process.
 """
@@ -61,6 +62,37 @@ def test_two_ranks_match_one_rank(tmp_path, algo):
         assert_close(two_adapter[name], tensor, atol=1e-5, rtol=0, msg=name)
     trained = [n for n in one_adapter if "lora_B" in n]
     assert all(torch.count_nonzero(one_adapter[n]) for n in trained)  # the step did move B
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(2 * WORKER_TIMEOUT_S + 60)
+def test_gradients_are_the_same_for_any_ranks_micro_batches_and_packing(tmp_path):
+    """For each loss aggregation (and GSPO's sequence ratios, PPO's critic): the gradients of
+    one step on 1 rank, padded, in one micro-batch are those of 2 ranks, of packed rows, and of
+    several micro-batches, in every combination (full fine-tuning: every weight has one)."""
+    model_dir = build_tiny_model(tmp_path / "tiny", hidden_size=64, layers=2)
+    runs = {}
+    for ranks in (None, 2):
+        out = tmp_path / f"ranks-{ranks or 1}"
+        run_worker(model_dir, out, ranks=ranks, algo="gradients")
+        runs[ranks or 1] = load_file(out / "gradients.safetensors")
+        counts = json.loads((out / "micro_batches.json").read_text())
+        assert all(counts[k] > counts[k.replace("/many", "/one")] for k in counts
+                   if k.endswith("/many"))  # the small budget did split the work
+    assert runs[1].keys() == runs[2].keys()
+    references = {}
+    for key in runs[1]:
+        case, _, _, name = key.split("/", 3)
+        reference = runs[1][f"{case}/padded/one/{name}"]
+        references.setdefault(case, {})[name] = reference
+        for ranks, grads in runs.items():
+            assert_close(grads[key], reference, rtol=1e-4, atol=1e-6 * float(
+                reference.abs().max()), msg=f"{ranks} rank(s): {key}")
+    token_mean = references["token_mean"]
+    assert all(torch.count_nonzero(g) for g in token_mean.values())
+    for case in ("seq_mean_token_mean", "seq_sum_constant"):  # the cases do differ
+        assert any(not torch.allclose(references[case][n], g, rtol=1e-2)
+                   for n, g in token_mean.items()), case
 
 
 def load_adapter(folder: Path) -> dict[str, torch.Tensor]:

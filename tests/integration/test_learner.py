@@ -104,6 +104,36 @@ def test_trainer_scores_tokens_like_the_engine_that_sampled_them(model_dir):
     assert learner.train_step(wrong)["trainer/mismatch"] > 100 * metrics["trainer/mismatch"]
 
 
+def test_packed_and_padded_micro_batches_score_the_same_logprobs(model_dir):
+    learner = Learner(model_dir, CONFIG, lora=LORA)
+    assert learner.packing  # Llama reads restarting position_ids as separate sequences
+    groups = random_groups(3)
+    (padded,) = make_micro_batches(groups, max_tokens=10_000)
+    (packed,) = make_micro_batches(groups, max_tokens=10_000, packed=True)
+    assert packed.input_ids.shape[0] == 1 < padded.input_ids.shape[0]
+    with torch.no_grad():
+        got, expected = learner.score(packed), learner.score(padded)  # [B, L-1] each
+    mask = padded.attention_mask[:, 1:].bool()
+    assert_close(got[mask], expected[mask], atol=1e-5, rtol=1e-5)
+
+
+def test_packing_probe_detects_a_model_that_attends_across_packed_sequences(model_dir):
+    from miles.trainer.model import packing_supported
+
+    class IgnoresPositions(torch.nn.Module):  # a causal mask over the whole row
+        def __init__(self, lm):
+            super().__init__()
+            self.lm, self.config = lm, lm.config
+
+        def forward(self, input_ids, **kwargs):
+            return self.lm(input_ids=input_ids, attention_mask=torch.ones_like(input_ids),
+                           **kwargs)
+
+    model = base_model(model_dir)
+    assert packing_supported(model, torch.device("cpu"))
+    assert not packing_supported(IgnoresPositions(model), torch.device("cpu"))
+
+
 def test_exported_adapter_reproduces_the_learner_logits(model_dir, tmp_path):
     from peft import PeftModel
 
