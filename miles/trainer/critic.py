@@ -7,7 +7,7 @@ reference policy is the same base with every adapter disabled. One base copy ser
 one optimizer updates both adapters and the head.
 
 This module owns: adding the critic (`add_critic`), sharding the three with FSDP2
-(`apply_fsdp_actor_critic`), choosing what a forward runs (`use_adapter`, `disabled_adapters`),
+(`apply_fsdp_with_head`), choosing what a forward runs (`use_adapter`, `disabled_adapters`),
 and the two forwards that are not the policy's (`values`, `reference_logits`).
 
 Why it looks like this (peft 0.21):
@@ -27,11 +27,11 @@ Why it looks like this (peft 0.21):
   decoder cannot be called alone; `logits_to_keep=1` keeps the LM head to one position.
 - The actor is peft's "default" adapter (`model.ADAPTER_NAME`), so `export_adapter` and the
   engines' hot-load keep working unchanged; the critic is never exported to the engines.
-- The value head has the base model's dtype (fp32 today); a separate fp32 head for bf16 bases
-  comes with mixed precision.
+- The value head is fp32 like every stored weight; under bf16 mixed precision it computes in
+  bf16 like the rest, and the learner reads values in fp32.
 
 Full fine-tuning has no adapter to switch: the critic is `ValueModel`, its own full copy of the
-checkpoint plus a value head, sharded like the policy (`apply_fsdp_value_model`) and trained by
+checkpoint plus a value head, sharded like the policy (`apply_fsdp_with_head`) and trained by
 the same optimizer.
 """
 
@@ -46,7 +46,7 @@ from torch import nn
 from torch.distributed.fsdp import fully_shard
 
 from miles.errors import ConfigError
-from miles.trainer.model import ADAPTER_NAME, LoraSettings, apply_fsdp, decoder_layers
+from miles.trainer.model import ADAPTER_NAME, LoraSettings, apply_fsdp
 
 ACTOR = ADAPTER_NAME  # the policy adapter, exported to the engines
 CRITIC = "critic"  # the value adapter, trained with the value head
@@ -55,7 +55,7 @@ VALUE_HEAD = "value_head"  # attribute of the peft model holding the Linear(hidd
 
 def add_critic(model: nn.Module, lora: LoraSettings) -> nn.Linear:
     """Add the critic adapter (shape `lora`) and the value head to the peft `model` of
-    `load_policy`, before `apply_fsdp_actor_critic`. Both adapters and the head are trainable;
+    `load_policy`, before `apply_fsdp_with_head`. Both adapters and the head are trainable;
     the actor stays the active adapter. The LoRA and head inits draw from torch's global RNG:
     seed it first, identically on every rank. Returns the head."""
     from miles.engines.hf import lora_config  # the adapter is built as the engines build it
@@ -88,11 +88,12 @@ def init_value_head(head: nn.Linear) -> None:
     head.bias.zero_()
 
 
-def apply_fsdp_actor_critic(model: nn.Module, mesh=None, *,
-                            compile_blocks: bool = False) -> nn.Module:
-    """`apply_fsdp` with the value head as one more FSDP2 unit (sharded before the root)."""
-    fully_shard(value_head(model), mesh=mesh)
-    return apply_fsdp(model, mesh=mesh, compile_blocks=compile_blocks)
+def apply_fsdp_with_head(model: nn.Module, mesh=None, *, compile_blocks: bool = False,
+                         policies: dict | None = None) -> nn.Module:
+    """`apply_fsdp` with the value head as one more FSDP2 unit (sharded before the root), for
+    a policy with a critic adapter and for a `ValueModel`."""
+    fully_shard(value_head(model), mesh=mesh, **(policies or {}))
+    return apply_fsdp(model, mesh=mesh, compile_blocks=compile_blocks, policies=policies)
 
 
 def value_head(model: nn.Module) -> nn.Module:
@@ -175,6 +176,10 @@ class ValueModel(nn.Module):
         self.lm = lm
         setattr(self, VALUE_HEAD, new_value_head(lm))
 
+    def get_base_model(self) -> nn.Module:
+        """The causal LM (as peft models answer it), where `decoder_layers` finds the blocks."""
+        return self.lm
+
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
                 position_ids: torch.Tensor) -> torch.Tensor:
         """Value of every position, [B, L]."""
@@ -183,18 +188,6 @@ class ValueModel(nn.Module):
                       logits_to_keep=1)
         values = value_head(self)(out.hidden_states[-1]).squeeze(-1)  # [B, L]
         return values.clone()  # not a view: FSDP2 hooks the root's output for backward
-
-
-def apply_fsdp_value_model(model: ValueModel, mesh=None, *,
-                           compile_blocks: bool = False) -> ValueModel:
-    """Shard a `ValueModel`: one unit per decoder block, the head, then the root."""
-    for layer in decoder_layers(model.lm):
-        if compile_blocks:
-            layer.compile()
-        fully_shard(layer, mesh=mesh)
-    fully_shard(value_head(model), mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    return model
 
 
 def is_critic_parameter(name: str) -> bool:

@@ -49,8 +49,9 @@ from miles.rl.sampling import process_logits
 from miles.trainer import critic, distributed
 from miles.trainer.batching import (MicroBatch, idle_micro_batch, make_micro_batches,
                                     max_new_tokens, outcome_advantages)
-from miles.trainer.model import (LoraSettings, apply_fsdp, enable_activation_checkpointing,
-                                 export_adapter, export_full, load_policy, materialise_sharded,
+from miles.trainer.model import (PRECISIONS, LoraSettings, apply_fsdp, compute_dtype,
+                                 enable_activation_checkpointing, export_adapter, export_full,
+                                 fsdp_policies, load_policy, materialise_sharded,
                                  packing_supported, trainable_names)
 
 log = logging.getLogger(__name__)
@@ -79,6 +80,9 @@ class LearnerConfig:
     activation_checkpointing: bool = False  # recompute block activations in backward (memory)
     compile: bool = False  # torch.compile each decoder block of the trained model(s)
     sharded_load: bool = False  # build on the meta device, read only this rank's weight slices
+    precision: str = "auto"  # compute dtype: auto (bf16 on CUDA, fp32 on CPU), bf16 or fp32;
+    # weights, gradient reduction and optimizer state stay fp32
+    cpu_offload: bool = False  # keep sharded weights, grads and optimizer state in host memory
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)  # estimator, loss, ...
 
     def __post_init__(self) -> None:
@@ -93,6 +97,8 @@ class LearnerConfig:
             (self.grad_clip > 0, f"grad_clip must be > 0, got {self.grad_clip}"),
             (self.max_tokens_per_micro_batch >= 1, "trainer.max_tokens_per_micro_batch must be "
              f">= 1, got {self.max_tokens_per_micro_batch}"),
+            (self.precision in PRECISIONS,
+             f"precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}"),
         ]
         for ok, message in checks:
             if not ok:
@@ -142,35 +148,37 @@ class Learner:
         if meta and self.algorithm.uses_critic and lora is None:
             raise ConfigError("learner.sharded_load with a full-parameter critic is not "
                               "implemented; use LoRA or sharded_load=false")
+        self.dtype = compute_dtype(config.precision, self.device)
+        policies = fsdp_policies(self.dtype, cpu_offload=config.cpu_offload, device=self.device)
+        shard = {"compile_blocks": config.compile, "policies": policies}
         model, self.tokenizer = load_policy(model_dir, lora=lora, meta=meta)
         if config.activation_checkpointing:
             enable_activation_checkpointing(model)
         self.critic = None  # full fine-tuning's value model (LoRA: an adapter of self.model)
         if self.algorithm.uses_critic and lora is not None:
             critic.add_critic(model, lora)
-            self.model = critic.apply_fsdp_actor_critic(self._placed(model),
-                                                        compile_blocks=config.compile)
+            self.model = critic.apply_fsdp_with_head(self._placed(model), **shard)
         else:
-            self.model = apply_fsdp(self._placed(model), compile_blocks=config.compile)
+            self.model = apply_fsdp(self._placed(model), **shard)
         if meta:
-            materialise_sharded(self.model, model_dir, self.device)
+            materialise_sharded(self.model, model_dir, self.device, cpu_offload=config.cpu_offload)
             if self.algorithm.uses_critic:
                 critic.init_value_head(critic.value_head(self.model))
         if self.algorithm.uses_critic and lora is None:
             value_model = critic.ValueModel(load_policy(model_dir, lora=None)[0])
             if config.activation_checkpointing:
-                enable_activation_checkpointing(value_model.lm)
-            self.critic = critic.apply_fsdp_value_model(value_model.to(self.device),
-                                                        compile_blocks=config.compile)
+                enable_activation_checkpointing(value_model)
+            self.critic = critic.apply_fsdp_with_head(value_model.to(self.device), **shard)
         # what the optimizer and checkpoints hold: the policy, and a separate critic if any
         self.trained = self.model if self.critic is None else \
             torch.nn.ModuleDict({"actor": self.model, critic.CRITIC: self.critic})
         self.reference = None  # full fine-tuning: a frozen copy; LoRA: the disabled adapter
         if self.algorithm.uses_reference and lora is None:
             reference = load_policy(model_dir, lora=None, meta=meta)[0]
-            self.reference = apply_fsdp(self._placed(reference))
+            self.reference = apply_fsdp(self._placed(reference), policies=policies)
             if meta:
-                materialise_sharded(self.reference, model_dir, self.device)
+                materialise_sharded(self.reference, model_dir, self.device,
+                                    cpu_offload=config.cpu_offload)
             self.reference.requires_grad_(False)
         for module in self.trained.modules():  # the loss is already a global mean: sum over ranks
             if isinstance(module, FSDPModule):
@@ -222,8 +230,8 @@ class Learner:
         """Logits of the distribution each target was sampled from, [R, T-1, V] (model
         layout: `batch.unpack` turns per-prediction values into per-sample rows)."""
         s = batch.sampling
-        return process_logits(logits[:, :-1], temperature=s.temperature, top_k=s.top_k,
-                              top_p=s.top_p)
+        return process_logits(logits[:, :-1].float(), temperature=s.temperature, top_k=s.top_k,
+                              top_p=s.top_p)  # fp32 even when the model computes in bf16
 
     def _gather(self, processed: torch.Tensor, batch: MicroBatch) -> torch.Tensor:
         """Floored logprobs of the targets under `processed` logits, [B, L-1]."""
@@ -248,8 +256,10 @@ class Learner:
     def _values(self, batch: MicroBatch) -> torch.Tensor:
         """Critic values of the states that predict each target, [B, L-1]."""
         if self.critic is not None:
-            return batch.unpack(self.critic(*self._inputs(batch))[:, :-1])
-        return batch.unpack(critic.values(self.model, *self._inputs(batch))[:, :-1])
+            values = self.critic(*self._inputs(batch))  # [R, T]
+        else:
+            values = critic.values(self.model, *self._inputs(batch))  # [R, T]
+        return batch.unpack(values[:, :-1].float())
 
     # -- the step -----------------------------------------------------------------------------
 

@@ -35,9 +35,10 @@ Assumptions (each a named constant or a line below):
   one before building the other), so a critic adds no activations.
 - Logits: `LOGITS_FP32_COPIES` fp32 [tokens, vocab] tensors at the peak (upcast, processed,
   log-softmax, the entropy's softmax...).
-- Load: today the learner materialises each copy in full on every rank and then shards it
+- Load: by default the learner materialises each copy in full on every rank and then shards it
   (`miles.trainer.model`), so loading peaks at the largest copy unsharded next to the shards
-  already made; with meta-device loading (`Plan.meta_init`, planned) that transient is gone. On
+  already made; with meta-device loading (`Plan.meta_init`, `learner.sharded_load`) that
+  transient is gone. On
   CPU, copies loaded from the same safetensors file share page cache: an upper bound there.
 - `RUNTIME_BYTES` for everything else (CUDA/NCCL or gloo buffers, allocator slack); the
   warning fires at `FIT_FRACTION` of the device's memory, which leaves room for fragmentation.
@@ -157,7 +158,7 @@ class Plan:
     lora: LoraSettings | None = field(default_factory=LoraSettings)  # None: full fine-tuning
     critic: bool = False  # PPO's value model (estimator "gae")
     reference: bool = False  # a reference policy (KL term, loss.kl_coef > 0)
-    dtype: str = "fp32"  # "fp32" (Miles today) or "bf16" (with fp32 master weights)
+    dtype: str = "fp32"  # compute dtype: "fp32" or "bf16" (with fp32 master weights)
     ranks: int = 1  # FSDP2 ranks sharing the state
     tokens: int = 8192  # tokens per micro-batch (learner.max_tokens_per_micro_batch)
     activation_checkpointing: bool = False  # per decoder block (learner.activation_checkpointing)
@@ -304,13 +305,17 @@ def device_memory() -> tuple[int, str]:
 
 
 def trainer_plan(*, lora: LoraSettings | None, learner) -> Plan:
-    """The `Plan` of today's learner (`LearnerConfig`: fp32, each copy materialised before
-    sharding) over torchrun's WORLD_SIZE ranks."""
+    """The `Plan` of a learner (`LearnerConfig`) over torchrun's WORLD_SIZE ranks."""
+    import torch
+
     algorithm = learner.algorithm
+    bf16 = learner.precision == "bf16" or (learner.precision == "auto" and
+                                           torch.cuda.is_available())
     return Plan(lora=lora, critic=algorithm.uses_critic, reference=algorithm.uses_reference,
-                dtype="fp32", ranks=int(os.environ.get("WORLD_SIZE", "1")),
+                dtype="bf16" if bf16 else "fp32", ranks=int(os.environ.get("WORLD_SIZE", "1")),
                 tokens=learner.max_tokens_per_micro_batch,
-                activation_checkpointing=learner.activation_checkpointing)
+                activation_checkpointing=learner.activation_checkpointing,
+                meta_init=learner.sharded_load, cpu_offload=learner.cpu_offload)
 
 
 def check_trainer_memory(model_dir: str | Path, *, lora: LoraSettings | None,
@@ -346,8 +351,8 @@ SETUPS = {  # name: (LoRA, critic, reference)
     "full PPO + KL": (False, True, True),
 }
 SETTINGS = {  # name: Plan fields
-    "today": dict(dtype="fp32"),
-    "today-checkpointing": dict(dtype="fp32", activation_checkpointing=True),
+    "fp32": dict(dtype="fp32"),  # learner.precision=fp32 (the default on CPU), plain loading
+    "fp32-checkpointing": dict(dtype="fp32", activation_checkpointing=True),
     "recommended": dict(dtype="bf16", activation_checkpointing=True, meta_init=True),
     "offload": dict(dtype="bf16", activation_checkpointing=True, meta_init=True,
                     cpu_offload=True),

@@ -9,7 +9,8 @@ Simplifications:
 - By default the model is materialised in full on every rank and then sharded (`fully_shard`
   keeps each rank's shard); `load_policy(meta=True)` + `materialise_sharded` build it on the
   meta device and read only each rank's slices (`learner.sharded_load`).
-- fp32 parameters and compute, no FSDP mixed-precision policy yet.
+- Parameters are loaded and kept (sharded, with the optimizer state) in fp32; bf16 is only the
+  compute dtype, through FSDP2's mixed-precision policy (`fsdp_policies`).
 - One policy adapter named "default" (the PPO critic adds its own, `miles.trainer.critic`).
 - Full weights are exported as one `model.safetensors` (no shards): the weight store announces
   one file per version.
@@ -24,13 +25,37 @@ from pathlib import Path
 import torch
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
 from miles.engines.base import LoraSettings  # shared with the engines: one adapter shape
 from miles.errors import ConfigError, MilesError
 from miles.trainer import distributed
 
 ADAPTER_NAME = "default"
+PRECISIONS = ("auto", "fp32", "bf16")
+"""learner.precision: "bf16" computes in bf16 (fp32 master weights and gradient reduction),
+"fp32" in fp32, "auto" in bf16 on CUDA and fp32 elsewhere (CPUs gain little from bf16)."""
+
+
+def compute_dtype(precision: str, device: torch.device) -> torch.dtype:
+    """The dtype forward and backward run in under `precision` (one of PRECISIONS)."""
+    if precision not in PRECISIONS:
+        raise ConfigError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
+    bf16 = precision == "bf16" or (precision == "auto" and device.type == "cuda")
+    return torch.bfloat16 if bf16 else torch.float32
+
+
+def fsdp_policies(dtype: torch.dtype, *, cpu_offload: bool, device: torch.device) -> dict:
+    """`fully_shard` keyword arguments: bf16 compute (parameters all-gathered in bf16, gradients
+    reduced in fp32 into the fp32 shards) and CPU offload (shards, gradients and optimizer state
+    in host memory, copied to the device per unit; the optimizer steps on the CPU)."""
+    policies: dict = {}
+    if dtype != torch.float32:
+        policies["mp_policy"] = MixedPrecisionPolicy(param_dtype=dtype,
+                                                     reduce_dtype=torch.float32)
+    if cpu_offload:
+        policies["offload_policy"] = CPUOffloadPolicy(pin_memory=device.type == "cuda")
+    return policies
 
 
 def load_policy(model_dir: str | Path, *, lora: LoraSettings | None,
@@ -61,17 +86,19 @@ def load_policy(model_dir: str | Path, *, lora: LoraSettings | None,
     return model, tokenizer
 
 
-def materialise_sharded(model: nn.Module, model_dir: str | Path, device: torch.device) -> None:
+def materialise_sharded(model: nn.Module, model_dir: str | Path, device: torch.device, *,
+                        cpu_offload: bool = False) -> None:
     """Give a meta-built, `apply_fsdp`-sharded model (`load_policy(meta=True)`) its weights
     without any rank holding them all: allocate this rank's shards, read exactly those slices
     from the checkpoint's safetensors (`torch.distributed.checkpoint`'s Hugging Face reader),
     then re-create what a checkpoint does not hold: rotary-embedding buffers and a fresh LoRA
     init (DTensor random ops: the same values on every rank, not those of the unsharded path).
-    A collective: every rank calls it."""
+    With `cpu_offload` the shards are allocated in host memory. A collective: every rank calls it.
+    """
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import HuggingFaceStorageReader
 
-    model.to_empty(device=device)
+    model.to_empty(device=torch.device("cpu") if cpu_offload else device)
     reader = HuggingFaceStorageReader(str(model_dir))
     stored = reader.read_metadata().state_dict_metadata
     targets = {checkpoint_name(name): param for name, param in model.named_parameters()
@@ -106,16 +133,18 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
     return layers
 
 
-def apply_fsdp(model: nn.Module, mesh=None, *, compile_blocks: bool = False) -> nn.Module:
+def apply_fsdp(model: nn.Module, mesh=None, *, compile_blocks: bool = False,
+               policies: dict | None = None) -> nn.Module:
     """Shard `model` with FSDP2: one `fully_shard` unit per decoder block, then the root
     (embeddings, final norm, head). `mesh` None: all ranks of the default group. With
     `compile_blocks`, each decoder block is compiled with `torch.compile` first (the block's
-    forward and its FSDP hooks; the first steps pay the compilation)."""
+    forward and its FSDP hooks; the first steps pay the compilation). `policies`: more
+    `fully_shard` arguments for every unit (`fsdp_policies`)."""
     for layer in decoder_layers(model):
         if compile_blocks:
             layer.compile()
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+        fully_shard(layer, mesh=mesh, **(policies or {}))
+    fully_shard(model, mesh=mesh, **(policies or {}))
     return model
 
 

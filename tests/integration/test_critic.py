@@ -15,7 +15,7 @@ from torch.distributed.tensor import DTensor
 from torch.testing import assert_close
 
 from miles.trainer import distributed
-from miles.trainer.critic import (ACTOR, CRITIC, add_critic, apply_fsdp_actor_critic,
+from miles.trainer.critic import (ACTOR, CRITIC, add_critic, apply_fsdp_with_head,
                                   disabled_adapters, reference_logits, use_adapter, values)
 from miles.trainer.model import LoraSettings, load_policy, trainable_names
 
@@ -36,7 +36,7 @@ def build(model_dir):
     torch.manual_seed(0)  # same LoRA and value-head init on every rank
     model, _ = load_policy(model_dir, lora=LORA)
     add_critic(model, LORA)
-    apply_fsdp_actor_critic(model)
+    apply_fsdp_with_head(model)
     for module in model.modules():
         if isinstance(module, FSDPModule):
             module.set_gradient_divide_factor(1.0)
