@@ -85,6 +85,14 @@ def admitted(*, loaded_version: int, trainer: TrainerView, in_flight: int, batch
     return trained_at - loaded_version <= max_staleness
 
 
+def timed(fn, *args) -> float:
+    """Seconds `fn(*args)` takes; run in the engine thread, the wait for the thread is not
+    counted (it is generation, already in `producer/generate_s`)."""
+    began = time.perf_counter()
+    fn(*args)
+    return time.perf_counter() - began
+
+
 class RolloutWorker:
     def __init__(self, bus: Bus, engine: RolloutEngine, scorer: Scorer, config: RolloutConfig):
         self.bus = bus
@@ -287,12 +295,13 @@ class RolloutWorker:
         began = time.perf_counter()
         try:
             folder = await asyncio.to_thread(fetch_version, version)  # generation goes on
-            await self._in_engine(self.engine.load_version, folder, version.policy_version,
-                                  version.format)
+            fetch_s = time.perf_counter() - began
+            apply_s = await self._in_engine(timed, self.engine.load_version, folder,
+                                            version.policy_version, version.format)
         except MilesError as err:
             await self._reject(version, str(err))
             return
-        self.counts["producer/load_s"] += time.perf_counter() - began
+        self.counts["producer/load_s"] += fetch_s + apply_s  # not the wait behind a generate
         self.load_latencies.append(max(time.time() - version.created_at, 0.0))
         self.counts["producer/weight_loads"] += 1
         log.info("loaded policy version %d", version.policy_version)

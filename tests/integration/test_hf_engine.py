@@ -201,6 +201,10 @@ def test_lora_adapter_hot_load(model_dir, prompts, tmp_path):
     after = lora_engine.generate(prompts, params, seed=0)
     assert all(c.policy_version == 1 for group in after for c in group)
     assert [g[0].token_ids.tolist() for g in before] != [g[0].token_ids.tolist() for g in after]
+    newer = save_adapter(model_dir, tmp_path / "v2", LORA, seed=2)  # copied over the same params
+    lora_engine.load_adapter(tmp_path / "v2", 2)
+    assert_close(last_logits(lora_engine.model, prompts[0]), last_logits(newer, prompts[0]))
+    assert not torch.allclose(last_logits(newer, prompts[0]), last_logits(trained, prompts[0]))
 
 
 def test_mismatching_adapter_is_rejected_and_weights_kept(model_dir, prompts, tmp_path):

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import shutil
+import threading
+import time
 from dataclasses import replace
 
 import pytest
@@ -12,9 +14,12 @@ import pytest
 from miles.bus import open_bus
 from miles.engines.base import LoraSettings
 from miles.engines.hf import HFEngine
+from miles.feeder import feed
 from miles.protocol import Heartbeat, decode, encode
 from miles.protocol.topics import run_topics, topic_name
+from miles.rl.sampling import SamplingParams
 from miles.rollout import RolloutConfig, RolloutWorker
+from miles.tasks.arithmetic import arithmetic_problems
 from miles.tasks.rewards import Scorer
 from miles.trainer import distributed
 from miles.trainer.learner import Learner
@@ -87,3 +92,40 @@ async def test_every_broken_version_is_rejected_and_generation_goes_on(model_dir
     assert sum("rejected" in r.message for r in caplog.records) == 5
     assert worker.counts["producer/weight_loads"] == 2 and worker.counts["producer/load_s"] > 0
     assert len(worker.load_latencies) == 2  # announced -> in use, for each load
+
+
+class SlowEngine(HFEngine):
+    """Each generate takes at least `GENERATE_S`, so a version announced meanwhile waits."""
+
+    GENERATE_S = 1.0
+    generating = threading.Event()
+
+    def generate(self, prompts, params, *, seed=None):
+        self.generating.set()
+        time.sleep(self.GENERATE_S)
+        return super().generate(prompts, params, seed=seed)
+
+
+async def test_load_time_counts_the_load_not_the_wait_behind_a_generate(model_dir, versions):
+    _, records = versions
+    run = "waiting"
+    async with open_bus("embedded://") as bus:
+        await bus.create_topics(run_topics(run, prompt_partitions=1, trajectory_partitions=1))
+        await feed(bus, run, arithmetic_problems("train")[:2], shuffle=False)
+        engine = SlowEngine(model_dir, lora=LORA)
+        worker = RolloutWorker(bus, engine, Scorer(starts_with_digit), RolloutConfig(
+            run=run, sampling=SamplingParams(n=1, max_new_tokens=2), prompts_per_batch=2,
+            max_staleness=1000, heartbeat_s=60))
+        stop = asyncio.Event()
+        running = asyncio.create_task(worker.run(stop))
+        try:
+            await asyncio.to_thread(engine.generating.wait, 30)
+            announced = time.perf_counter()
+            await bus.publish(topic_name(run, "control"), encode(records[1]))
+            await wait_for(lambda: engine.policy_version == 1)
+            waited = time.perf_counter() - announced
+        finally:
+            stop.set()
+            await asyncio.wait_for(running, 30)
+    assert worker.counts["producer/weight_loads"] == 1
+    assert 0 < worker.counts["producer/load_s"] < SlowEngine.GENERATE_S / 2 < waited
