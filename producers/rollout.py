@@ -11,6 +11,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from miles.engines.base import LoraSettings, RolloutEngine
+from miles.engines.vllm_engine import VLLMEngineSettings
 from miles.engines.vllm_server import VLLMServerSettings
 from miles.errors import ConfigError
 from miles.rollout import RolloutConfig, RolloutWorker
@@ -28,6 +29,7 @@ class ProducerSettings:
     reward_timeout_s: float = 10.0  # per reward call; a timed-out sample gets 0.0 and an error
     torch_threads: int = 0  # 0 leaves torch's default
     vllm_server: VLLMServerSettings = field(default_factory=VLLMServerSettings)  # vllm-server
+    vllm: VLLMEngineSettings = field(default_factory=VLLMEngineSettings)  # engine vllm (on GPU)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
 
     def __post_init__(self) -> None:
@@ -54,11 +56,13 @@ def _vllm_server_engine(settings: ProducerSettings) -> RolloutEngine:
 
 
 def _vllm_engine(settings: ProducerSettings) -> RolloutEngine:
+    """vLLM in this process, on the GPU(s) it sees; `device` and `torch_threads` do not apply."""
     if importlib.util.find_spec("vllm") is None:
         raise ConfigError("engine 'vllm' needs vLLM: pip install 'miles[vllm]' (or use engine "
                           "'vllm-server' with a running `vllm serve`)")
-    raise ConfigError("engine 'vllm' (vLLM in-process) is not implemented yet; use engine "
-                      "'vllm-server' with a running `vllm serve`, or engine 'hf'")
+    from miles.engines.vllm_engine import VLLMEngine
+
+    return VLLMEngine(settings.model_dir, settings.vllm, lora=settings.lora)
 
 
 ENGINES = {"hf": _hf_engine, "vllm-server": _vllm_server_engine, "vllm": _vllm_engine}

@@ -1,14 +1,15 @@
 """Rollout engines: one contract (`RolloutEngine`, `Completion`), a Hugging Face implementation
-(`HFEngine`) and a client of a running vLLM server (`VLLMServerEngine`).
+(`HFEngine`), vLLM in this process (`VLLMEngine`) and a client of a running vLLM server
+(`VLLMServerEngine`).
 
-Both are imported lazily (on first attribute access), so code that only needs the contract,
+All are imported lazily (on first attribute access), so code that only needs the contract,
 such as a producer wired to another engine, does not pay for importing transformers and peft.
 """
 
 from miles.engines.base import FINISH_REASONS, Completion, LoraSettings, RolloutEngine
 
 __all__ = ["FINISH_REASONS", "Completion", "HFEngine", "LoraSettings", "RolloutEngine",
-           "VLLMServerEngine"]
+           "VLLMEngine", "VLLMServerEngine"]
 
 
 def __getattr__(name: str):
@@ -16,6 +17,10 @@ def __getattr__(name: str):
         from miles.engines.hf import HFEngine
 
         return HFEngine
+    if name == "VLLMEngine":
+        from miles.engines.vllm_engine import VLLMEngine
+
+        return VLLMEngine
     if name == "VLLMServerEngine":
         from miles.engines.vllm_server import VLLMServerEngine
 

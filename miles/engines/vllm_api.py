@@ -1,12 +1,15 @@
 """The wire of vLLM's OpenAI-compatible server: `/v1/completions` bodies and reply parsing.
 
 Pure functions (dicts in, dicts or `Completion`s out), so every rule is unit-tested against
-recorded replies without a server. `miles.engines.vllm_server` does the HTTP around them.
+recorded replies without a server. `miles.engines.vllm_server` does the HTTP around them; the
+in-process engine (`miles.engines.vllm_engine`) shares the sampling values, the checks of a
+sampled response and the finish-reason rule (`sampling_values`, `build_completion`).
 
 What a request pins down: every sampling value is sent (a value left out falls back to the
 server's generation-config default, e.g. a model's top_k=20 or repetition_penalty=1.05, which
 would change the distribution); `logprobs=0` asks for the sampled token's logprob only; ids come
-back as ids (`return_token_ids`, and `token_id:N` strings for servers that predate it).
+back as ids (`return_token_ids`, and `token_id:N` strings for servers that predate it). A
+temperature below 0.01 is refused: vLLM would silently raise it to 0.01.
 
 What a reply must satisfy, or the call fails with EngineError: n choices per prompt in
 prompt-major order, ids in [0, vocab_size), one finite logprob in (-9999, 0] per id (vLLM writes
@@ -32,7 +35,8 @@ vLLM source read for this module (vllm-project/vllm, path @ commit):
 - vllm/v1/core/sched/utils.py @ 6110ea2910f2 (length is checked before EOS; stop tokens set
   `stop_reason`), vllm/v1/engine/parallel_sampling.py @ 491d923514ad (the n samples of a prompt
   are in index order, child seed = seed + index), vllm/sampling_params.py @ db573835d3ef (top_k
-  -1 disables in every version; newer ones also take 0).
+  -1 disables in every version; newer ones also take 0) and @ 00388f6573cc (a temperature in
+  (0, 0.01) is raised to 0.01).
 - vllm/entrypoints/openai/models/serving.py @ 00153c8b7948: `/v1/models` cards, adapters carry
   `parent`; errors are `{"error": {"message", "type", "param", "code"}}`.
 """
@@ -55,10 +59,26 @@ TOKEN_ID = re.compile(re.escape(TOKEN_ID_PREFIX) + r"(\d+)")
 CLAMPED_NEG_INF = -9999.0  # vLLM writes a -inf logprob as this (JSON has no infinity)
 LOGPROB_SLACK = 1e-4  # float32 log_softmax may exceed 0 by rounding; more is an error
 ERROR_TEXT_CHARS = 500  # how much of a server's reply goes into an error message
+VLLM_MIN_TEMPERATURE = 1e-2  # vLLM raises any lower temperature to this (a distribution change)
+NEUTRAL_SAMPLING = {"min_p": 0.0, "repetition_penalty": 1.0, "presence_penalty": 0.0,
+                    "frequency_penalty": 0.0}  # knobs process_logits does not have: all off
 
 
 def adapter_name(prefix: str, policy_version: int) -> str:
     return f"{prefix}-v{policy_version}"
+
+
+def sampling_values(params: SamplingParams, vocab_size: int) -> dict[str, Any]:
+    """The sampling values every vLLM request carries, in the names vLLM's `SamplingParams` and
+    the completions API share: `params` as `process_logits` applies them, every other knob
+    neutral, and logprobs=0 (the sampled token's logprob only)."""
+    if params.temperature < VLLM_MIN_TEMPERATURE:
+        raise EngineError(f"temperature {params.temperature} is below {VLLM_MIN_TEMPERATURE}, "
+                          "which vLLM silently raises to it; the logprobs would not match")
+    return {"n": params.n, "max_tokens": params.max_new_tokens,
+            "temperature": params.temperature, "top_p": params.top_p,
+            "top_k": params.top_k if 0 < params.top_k < vocab_size else -1,
+            **NEUTRAL_SAMPLING, "logprobs": 0}
 
 
 def completion_request(prompts: list[list[int]], params: SamplingParams, *, model: str,
@@ -69,11 +89,8 @@ def completion_request(prompts: list[list[int]], params: SamplingParams, *, mode
     logprobs=0 asks for the sampled token's logprob only; token ids come back as ids.
     """
     body: dict[str, Any] = {
-        "model": model, "prompt": [list(map(int, p)) for p in prompts], "n": params.n,
-        "max_tokens": params.max_new_tokens, "temperature": params.temperature,
-        "top_p": params.top_p, "top_k": params.top_k if 0 < params.top_k < vocab_size else -1,
-        "min_p": 0.0, "repetition_penalty": 1.0, "presence_penalty": 0.0,
-        "frequency_penalty": 0.0, "logprobs": 0, "return_tokens_as_token_ids": True,
+        "model": model, "prompt": [list(map(int, p)) for p in prompts],
+        **sampling_values(params, vocab_size), "return_tokens_as_token_ids": True,
         "return_token_ids": True, "stream": False}
     if seed is not None:
         body["seed"] = seed
@@ -83,8 +100,7 @@ def completion_request(prompts: list[list[int]], params: SamplingParams, *, mode
 def probe_request(prompt: list[int], *, model: str) -> dict[str, Any]:
     """One token under top_k=1, with the sampled token's and the two best tokens' logprobs."""
     return {"model": model, "prompt": [list(map(int, prompt))], "n": 1, "max_tokens": 1,
-            "temperature": 1.0, "top_p": 1.0, "top_k": 1, "min_p": 0.0,
-            "repetition_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0,
+            "temperature": 1.0, "top_p": 1.0, "top_k": 1, **NEUTRAL_SAMPLING,
             "logprobs": 2, "return_tokens_as_token_ids": True, "stream": False}
 
 
@@ -147,8 +163,16 @@ def parse_choice(choice: Any, k: int, *, vocab_size: int, eos_token_id: int,
     logprobs = choice.get("logprobs")
     if not isinstance(logprobs, dict) or not isinstance(logprobs.get("token_logprobs"), list):
         raise EngineError(f"{where}: no logprobs (the request asks for them; is this vLLM?)")
-    values = logprobs["token_logprobs"]
-    ids = _token_ids(choice, logprobs, where)
+    return build_completion(
+        _token_ids(choice, logprobs, where), logprobs["token_logprobs"],
+        reason=choice.get("finish_reason"), stop_reason=choice.get("stop_reason"), where=where,
+        vocab_size=vocab_size, eos_token_id=eos_token_id, policy_version=policy_version)
+
+
+def build_completion(ids: list, values: list, *, reason: Any, stop_reason: Any, where: str,
+                     vocab_size: int, eos_token_id: int, policy_version: int) -> Completion:
+    """A `Completion` from the sampled ids and their logprobs as vLLM reports them (over HTTP
+    or in process), after checking every id and value; `where` names it in errors."""
     if not ids:
         raise EngineError(f"{where}: an empty response")
     if len(ids) != len(values):
@@ -164,7 +188,8 @@ def parse_choice(choice: Any, k: int, *, vocab_size: int, eos_token_id: int,
                               f"({CLAMPED_NEG_INF}, 0]")
     return Completion(token_ids=np.asarray(ids, dtype=np.int32),
                       logprobs=np.minimum(np.asarray(values, dtype=np.float32), 0.0),
-                      finish_reason=_finish_reason(choice, ids, eos_token_id, where),
+                      finish_reason=map_finish_reason(reason, stop_reason, ids, eos_token_id,
+                                                      where),
                       policy_version=policy_version)
 
 
@@ -190,16 +215,18 @@ def _token_ids(choice: dict, logprobs: dict, where: str) -> list:
     return parsed
 
 
-def _finish_reason(choice: dict, ids: list[int], eos_token_id: int, where: str) -> str:
-    reason = choice.get("finish_reason")
+def map_finish_reason(reason: Any, stop_reason: Any, ids: list[int], eos_token_id: int,
+                      where: str) -> str:
+    """The contract's finish reason of vLLM's `finish_reason` and `stop_reason`: "length"
+    ending on EOS is "stop" (vLLM checks the length first); "stop" must end on EOS or on the
+    stop token that `stop_reason` names."""
     if reason == "length":
         return "stop" if ids[-1] == eos_token_id else "length"
-    if reason == "stop" and (ids[-1] == eos_token_id or choice.get("stop_reason") == ids[-1]):
+    if reason == "stop" and (ids[-1] == eos_token_id or stop_reason == ids[-1]):
         return "stop"
     if reason == "stop":
-        raise EngineError(f"{where}: stopped on {choice.get('stop_reason')!r}, not on EOS or a "
-                          "stop token")
-    raise EngineError(f"{where}: the server finished it with {reason!r} (aborted or failed)")
+        raise EngineError(f"{where}: stopped on {stop_reason!r}, not on EOS or a stop token")
+    raise EngineError(f"{where}: vLLM finished it with {reason!r} (aborted or failed)")
 
 
 def error_message(raw: bytes) -> str:
