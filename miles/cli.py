@@ -283,6 +283,33 @@ def _add_experience_commands(sub: argparse._SubParsersAction) -> None:
     tail.add_argument("--limit", type=int, default=None, help="stop after this many records")
 
 
+def _add_export_model_command(sub: argparse._SubParsersAction) -> None:
+    from miles.weights.export import DTYPES
+
+    parser = sub.add_parser("export-model", help="write a trained policy as a Hugging Face "
+                                                 "checkpoint (merged LoRA) or a peft adapter")
+    parser.add_argument("--model-dir", type=Path, required=True,
+                        help="the base model the run trained (trainer.model_dir)")
+    parser.add_argument("--weights", type=Path, required=True,
+                        help="a weight version folder (OUT_DIR/weights/vN), or the store "
+                             "OUT_DIR/weights for its newest version")
+    parser.add_argument("--out", type=Path, required=True, help="folder to create")
+    parser.add_argument("--adapter-only", action="store_true",
+                        help="write the LoRA adapter (peft format) instead of merged weights")
+    parser.add_argument("--dtype", choices=DTYPES, default="auto",
+                        help="dtype of the merged weights (auto: the base config's)")
+
+
+def _export_model(args) -> int:
+    from miles.weights.export import export_model
+
+    version = export_model(args.model_dir, args.weights, args.out,
+                           adapter_only=args.adapter_only, dtype=args.dtype)
+    what = "adapter of" if args.adapter_only else "merged policy of"
+    print(f"wrote the {what} {version} to {args.out}")
+    return 0
+
+
 def _add_status_command(sub: argparse._SubParsersAction) -> None:
     parser = sub.add_parser("status", help="a run at a glance: producers, trainer, consumer "
                                            "lag, DLQ")
@@ -382,6 +409,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_rl_commands(sub)
     _add_experience_commands(sub)
     _add_status_command(sub)
+    _add_export_model_command(sub)
     return parser
 
 
@@ -424,6 +452,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _tail(args)
         if args.command == "status":
             return _status(args)
+        if args.command == "export-model":
+            return _export_model(args)
     except MilesError as err:
         print(f"miles {args.command}: error: {err}", file=sys.stderr)
         return 2
