@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import logging
+import math
 import os
 import subprocess
 import sys
@@ -298,3 +299,19 @@ def test_gpu_check_peak_lookup_and_mfu():
     assert per_token == 6 * 1_000 + 12 * 2 * 8 * 16
     assert gpu.mfu(1e6, 1e8, 1e15) == pytest.approx(0.1)
     assert gpu.mfu(1e6, 1e8, None) is None
+
+
+def test_gpu_check_runs_the_learner_end_to_end_on_the_cpu():
+    """`--cpu`: the script's whole path (model written, Learner built sharded, steps,
+    checkpoint round trip) on a tiny shape; its last line is the JSON report."""
+    tiny = ["--hidden", "64", "--layers", "2", "--intermediate", "128", "--heads", "4",
+            "--kv-heads", "2", "--vocab", "128", "--groups", "2", "--samples", "2", "--prompt",
+            "8", "--response", "8", "--warmup", "1", "--steps", "1", "--no-compile"]
+    result = subprocess.run([sys.executable, str(REPO / "benchmarks/gpu_check.py"), "--cpu",
+                             "--lora", *tiny], capture_output=True, text=True, timeout=240,
+                            env=os.environ | {"OMP_NUM_THREADS": "1"})
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    assert report["device"] == "cpu" and report["lora"] and report["packing"]
+    assert report["restored"] is True and report["tokens_per_step"] == 2 * 2 * 16
+    assert report["step_s"] > 0 and math.isfinite(report["loss_last"])
