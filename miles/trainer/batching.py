@@ -6,22 +6,23 @@ so the per-token tensors (`response_mask`, `behaviour_logprobs`) are aligned wit
 rewards of the whole batch (`outcome_advantages`: reward shaping, then the configured estimator)
 before the samples are spread over micro-batches.
 
-Two layouts of a micro-batch's rows for the model:
-- padded: one right-padded row per sample, `attention_mask` marks the real tokens;
-- packed (`packed=True`): every sample of the micro-batch concatenated into one row whose
-  `position_ids` restart at 0 for each sample and no `attention_mask`. Hugging Face models built
-  on `transformers.masking_utils` (Llama, Qwen2, Mistral, Gemma, ...) read restarting positions
-  as separate sequences (block-diagonal causal attention), so no compute goes to padding.
+Two layouts of a micro-batch for the model:
+- padded: one right-padded model row per sample, `attention_mask` marks the real tokens;
+- packed (`packed=True`): samples placed first-fit into model rows ("lines") as long as the
+  longest sample, `position_ids` restarting at 0 for each sample (and for a line's trailing
+  padding), no `attention_mask`. Hugging Face models built on `transformers.masking_utils`
+  (Llama, Qwen2, Mistral, Gemma, ...) read restarting positions as separate sequences
+  (block-diagonal causal attention), so little compute goes to padding, and no line is longer
+  than a padded row would be (attention's cost per line stays that of the longest sample).
 Either way the per-token tensors the loss reads (`response_mask`, `behaviour_logprobs`, and what
 `MicroBatch.unpack` returns) have the padded [B, L-1] layout, one row per sample, so every loss
 aggregation sees the same rows under both layouts.
 
 Simplifications:
-- The budget counts the tokens of a forward: rows x longest row when padded, the sum of the
-  rows' lengths when packed. Rows are sorted by length (longest first), then placed greedily
-  (padded: in order; packed: first micro-batch with room). A single row longer than the budget
-  gets a micro-batch of its own: the budget is a target, and a long sample is trained rather
-  than dropped.
+- The budget counts the tokens of a forward, model rows x longest model row, what activation
+  memory scales with. Samples (padded) or lines (packed) are sorted longest first and filled
+  into micro-batches in order. A single sample longer than the budget gets a micro-batch of its
+  own: the budget is a target, and a long sample is trained rather than dropped.
 - One sampling setting (temperature, top_k, top_p) per micro-batch: rows are split by setting
   first, so a batch mixing settings gives more, smaller micro-batches, never an error.
 - Estimators that normalise over the batch (`reinforce_pp`) see all groups at once when every
@@ -53,8 +54,8 @@ class SamplingSetting:
 class MicroBatch:
     """One forward/backward worth of rows, all sampled under `sampling`."""
 
-    input_ids: torch.Tensor  # [R, T] int64 model input: R = B right-padded rows of prompt +
-    # response (T = L), or R = 1 packed row of all of them (T = sum of their lengths)
+    input_ids: torch.Tensor  # [R, T] int64 model input, right-padded: R = B rows of prompt +
+    # response (T = L), or R <= B packed lines of several samples each
     attention_mask: torch.Tensor | None  # [R, T] int64, 1 on real tokens; None when packed
     position_ids: torch.Tensor  # [R, T] int64, 0..len-1 on each sample's tokens, 0 on padding
     response_mask: torch.Tensor  # [B, L-1] bool: target t of a sample (its token t+1) is a
@@ -65,7 +66,7 @@ class MicroBatch:
     sampling: SamplingSetting
     sample_ids: tuple[tuple[str, int], ...]  # [B] (group_id, index in group.samples)
     layout: torch.Tensor | None = None  # packed: [B, L-1] int64 index of each sample's target
-    # t among the packed row's T-1 predictions (0 past the sample's end); None: padded
+    # t among the R x (T-1) predictions, flattened (0 past the sample's end); None: padded
 
     @property
     def targets(self) -> torch.Tensor:
@@ -151,63 +152,81 @@ def group_rows(group: TrajectoryGroup, rewards: torch.Tensor, advantages: torch.
             for i, sample in enumerate(group.samples)]
 
 
-def pack_rows(rows: list[_Row], max_tokens: int, *, packed: bool = False) -> list[list[_Row]]:
-    """`rows` (longest first) split into micro-batches of at most `max_tokens` tokens: rows x
-    longest when padded (filled in order), the sum of lengths when packed (first fit)."""
-    batches: list[list[_Row]] = []
-    loads: list[int] = []  # packed: tokens in each batch
-    for row in sorted(rows, key=lambda r: r.length, reverse=True):
-        into = None
-        if packed:
-            into = next((i for i, load in enumerate(loads) if load + row.length <= max_tokens),
-                        None)
-        elif batches and (len(batches[-1]) + 1) * batches[-1][0].length <= max_tokens:
-            into = len(batches) - 1  # batches[-1][0] is the longest row of the last batch
+def first_fit(rows: list[_Row], width: int) -> list[list[_Row]]:
+    """`rows` (longest first) placed into lines of at most `width` tokens, each into the first
+    line with room."""
+    lines: list[list[_Row]] = []
+    loads: list[int] = []
+    for row in rows:
+        into = next((i for i, load in enumerate(loads) if load + row.length <= width), None)
         if into is None:
-            batches.append([])
+            lines.append([])
             loads.append(0)
-            into = len(batches) - 1
-        batches[into].append(row)
+            into = len(lines) - 1
+        lines[into].append(row)
         loads[into] += row.length
+    return lines
+
+
+def line_length(line: list[_Row]) -> int:
+    return sum(row.length for row in line)
+
+
+def pack_rows(rows: list[_Row], max_tokens: int, *, packed: bool = False
+              ) -> list[list[list[_Row]]]:
+    """`rows` as micro-batches of lines (model rows) of samples, each micro-batch at most
+    `max_tokens` = lines x longest line. Padded: one sample per line. Packed: samples first-fit
+    into lines as long as the longest sample."""
+    rows = sorted(rows, key=lambda r: r.length, reverse=True)
+    if packed and rows:
+        lines = sorted(first_fit(rows, rows[0].length), key=line_length, reverse=True)
+    else:
+        lines = [[row] for row in rows]
+    batches: list[list[list[_Row]]] = []
+    for line in lines:  # longest first: batches[-1][0] is the longest line of the last batch
+        if batches and (len(batches[-1]) + 1) * line_length(batches[-1][0]) <= max_tokens:
+            batches[-1].append(line)
+        else:
+            batches.append([line])
     return batches
 
 
-def collate(rows: list[_Row], sampling: SamplingSetting, *, pad_id: int,
+def collate(lines: list[list[_Row]], sampling: SamplingSetting, *, pad_id: int,
             packed: bool = False) -> MicroBatch:
-    """The tensors of `rows`: right-padded rows, or one packed row (see the module docstring)."""
-    width = max(r.length for r in rows)
+    """The tensors of `lines` of samples (see the module docstring): each line is one model row,
+    right-padded to the longest; a packed line's padding is a sequence of its own."""
+    rows = [row for line in lines for row in line]
+    width = max(r.length for r in rows)  # L: the per-sample layout
     response_mask = torch.zeros((len(rows), width - 1), dtype=torch.bool)  # [B, L-1]
     behaviour = torch.zeros((len(rows), width - 1), dtype=torch.float32)  # [B, L-1]
-    tokens = []  # [n] per row
-    for b, row in enumerate(rows):
-        p, n = len(row.prompt), row.length
-        tokens.append(torch.from_numpy(np.concatenate([row.prompt, row.sample.response_token_ids])
-                                       .astype(np.int64)))
-        response_mask[b, p - 1:n - 1] = row.trained  # targets p..n-1 are predicted at p-1..n-2
-        behaviour[b, p - 1:n - 1] = torch.from_numpy(row.sample.logprobs.astype(np.float32))
-    positions = [torch.arange(len(t)) for t in tokens]
-    layout = None
-    if packed:
-        input_ids = torch.cat(tokens).unsqueeze(0)  # [1, T]
-        position_ids = torch.cat(positions).unsqueeze(0)  # [1, T]
-        attention_mask = None
-        layout = torch.zeros((len(rows), width - 1), dtype=torch.int64)  # [B, L-1]
+    length = max(line_length(line) for line in lines)  # T
+    input_ids = torch.full((len(lines), length), pad_id, dtype=torch.int64)  # [R, T]
+    position_ids = torch.zeros((len(lines), length), dtype=torch.int64)  # [R, T]
+    attention_mask = torch.zeros((len(lines), length), dtype=torch.int64)  # [R, T]
+    layout = torch.zeros((len(rows), width - 1), dtype=torch.int64)  # [B, L-1]
+    b = 0
+    for r, line in enumerate(lines):
         offset = 0
-        for b, row in enumerate(rows):
-            layout[b, :row.length - 1] = torch.arange(offset, offset + row.length - 1)
-            offset += row.length
-    else:
-        input_ids = torch.nn.utils.rnn.pad_sequence(tokens, batch_first=True,
-                                                    padding_value=pad_id)  # [B, L]
-        position_ids = torch.nn.utils.rnn.pad_sequence(positions, batch_first=True)  # [B, L]
-        attention_mask = torch.nn.utils.rnn.pad_sequence(
-            [torch.ones(len(t), dtype=torch.int64) for t in tokens], batch_first=True)  # [B, L]
+        for row in line:
+            p, n = len(row.prompt), row.length
+            input_ids[r, offset:offset + n] = torch.from_numpy(
+                np.concatenate([row.prompt, row.sample.response_token_ids]).astype(np.int64))
+            position_ids[r, offset:offset + n] = torch.arange(n)
+            layout[b, :n - 1] = r * (length - 1) + offset + torch.arange(n - 1)
+            response_mask[b, p - 1:n - 1] = row.trained  # targets p..n-1: predicted at p-1..n-2
+            behaviour[b, p - 1:n - 1] = torch.from_numpy(row.sample.logprobs.astype(np.float32))
+            offset += n
+            b += 1
+        attention_mask[r, :offset] = 1
+        if packed:  # positions restart: the padding only attends to itself
+            position_ids[r, offset:] = torch.arange(length - offset)
     return MicroBatch(
-        input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-        response_mask=response_mask, behaviour_logprobs=behaviour,
+        input_ids=input_ids, attention_mask=None if packed else attention_mask,
+        position_ids=position_ids, response_mask=response_mask, behaviour_logprobs=behaviour,
         advantages=torch.tensor([r.advantage for r in rows], dtype=torch.float32),
         rewards=torch.tensor([r.reward for r in rows], dtype=torch.float32),
-        sampling=sampling, sample_ids=tuple(r.sample_id for r in rows), layout=layout)
+        sampling=sampling, sample_ids=tuple(r.sample_id for r in rows),
+        layout=layout if packed else None)
 
 
 def make_micro_batches(groups: list[TrajectoryGroup], *, max_tokens: int, pad_id: int = 0,
@@ -228,9 +247,9 @@ def make_micro_batches(groups: list[TrajectoryGroup], *, max_tokens: int, pad_id
     for group, r, a in zip(groups, rewards, advantages, strict=True):
         by_setting.setdefault(sampling_setting(group), []).extend(
             group_rows(group, r, a, mask_truncated=algorithm.mask_truncated))
-    return [collate(rows, setting, pad_id=pad_id, packed=packed)
-            for setting, all_rows in by_setting.items()
-            for rows in pack_rows(all_rows, max_tokens, packed=packed)]
+    return [collate(lines, setting, pad_id=pad_id, packed=packed)
+            for setting, rows in by_setting.items()
+            for lines in pack_rows(rows, max_tokens, packed=packed)]
 
 
 def idle_micro_batch(*, pad_id: int = 0) -> MicroBatch:

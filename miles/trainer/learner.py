@@ -72,10 +72,9 @@ class LearnerConfig:
     betas: tuple[float, float] = (0.9, 0.999)  # AdamW moment decay rates
     adam_eps: float = 1e-8  # AdamW denominator epsilon
     grad_clip: float = 1.0  # max global gradient norm (inf disables clipping)
-    max_tokens_per_micro_batch: int = 8192  # tokens per forward (packed: their sum; padded:
-    # rows x longest row)
-    sequence_packing: bool = True  # one row of concatenated samples per forward (no compute on
-    # padding); false, or a model that ignores restarting position_ids: right-padded rows
+    max_tokens_per_micro_batch: int = 8192  # tokens per forward: model rows x longest row
+    sequence_packing: bool = True  # several samples per model row, as long as the longest (little
+    # compute on padding); false, or a model that ignores restarting position_ids: one each
     seed: int = 0  # seeds the LoRA init (identical on every rank) and torch's RNG
     activation_checkpointing: bool = False  # recompute block activations in backward (memory)
     compile: bool = False  # torch.compile each decoder block of the trained model(s)

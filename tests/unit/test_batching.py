@@ -127,35 +127,45 @@ def test_mask_truncated_keeps_the_row_but_trains_none_of_its_tokens():
         assert_close(batch.advantages, grpo_advantages(torch.tensor([[0.0, 1.0, 2.0]]))[0].float())
 
 
-def test_packed_layout_concatenates_rows_and_maps_targets_back_to_samples():
-    prompt = np.array([7, 8, 9], dtype=np.int32)
-    long = make_sample(3, seed=1, response_token_ids=np.array([11, 12, 13], np.int32),
-                       logprobs=np.array([-0.1, -0.2, -0.3], np.float32))
+def test_packed_layout_shares_lines_and_maps_targets_back_to_samples():
+    prompt = np.array([7, 8], dtype=np.int32)
+    long = make_sample(4, seed=1, response_token_ids=np.array([11, 12, 13, 14], np.int32),
+                       logprobs=np.array([-0.1, -0.2, -0.3, -0.4], np.float32))
     short = make_sample(1, seed=2, response_token_ids=np.array([21], np.int32),
                         logprobs=np.array([-0.5], np.float32))
-    group = make_group(prompt_token_ids=prompt, samples=[short, long], vocab_size=50)
+    tiny = make_sample(1, seed=3, response_token_ids=np.array([31], np.int32),
+                       logprobs=np.array([-0.7], np.float32))
+    group = make_group(prompt_token_ids=prompt, samples=[short, long, tiny], vocab_size=50)
     (padded,) = make_micro_batches([group], max_tokens=100, pad_id=PAD)
     (packed,) = make_micro_batches([group], max_tokens=100, pad_id=PAD, packed=True)
-    assert packed.input_ids.tolist() == [[7, 8, 9, 11, 12, 13, 7, 8, 9, 21]]
-    assert packed.position_ids.tolist() == [[0, 1, 2, 3, 4, 5, 0, 1, 2, 3]]
+    # samples of 6, 3 and 3 tokens: lines as long as the longest, the two short ones share one
+    assert packed.input_ids.tolist() == [[7, 8, 11, 12, 13, 14], [7, 8, 21, 7, 8, 31]]
+    assert packed.position_ids.tolist() == [[0, 1, 2, 3, 4, 5], [0, 1, 2, 0, 1, 2]]
     assert packed.attention_mask is None and padded.layout is None
     # the per-sample tensors are the padded ones; unpack maps model predictions onto them
     for name in ("response_mask", "behaviour_logprobs", "advantages", "rewards"):
         assert torch.equal(getattr(packed, name), getattr(padded, name)), name
     assert packed.sample_ids == padded.sample_ids
     unpacked = packed.unpack(packed.targets)  # [B, L-1] targets of each sample
-    mask = padded.attention_mask[:, 1:].bool()  # real targets
-    assert torch.equal(unpacked[mask], padded.targets[mask])
+    real = padded.attention_mask[:, 1:].bool()  # real targets
+    assert torch.equal(unpacked[real], padded.targets[real])
     targets = padded.targets
     assert padded.unpack(targets) is targets  # padded: already one row per sample
 
 
-def test_packed_budget_counts_tokens_and_fills_the_first_batch_with_room():
-    group = ragged_group(0, [7, 7, 3, 3], prompt_tokens=3)  # rows of 10, 10, 6, 6 tokens
-    batches = make_micro_batches([group], max_tokens=16, pad_id=PAD, packed=True)
-    assert [b.input_ids.shape for b in batches] == [(1, 16), (1, 16)]  # 10 + 6 twice
-    padded = make_micro_batches([group], max_tokens=16, pad_id=PAD)
-    assert [b.input_ids.shape for b in padded] == [(1, 10), (1, 10), (2, 6)]
+def test_packed_padding_is_a_sequence_of_its_own_and_the_budget_counts_lines():
+    group = ragged_group(0, [7, 3, 1, 1], prompt_tokens=3)  # samples of 10, 6, 4 and 4 tokens
+    packed = make_micro_batches([group], max_tokens=20, pad_id=PAD, packed=True)
+    assert [b.input_ids.shape for b in packed] == [(2, 10), (1, 4)]  # [10], [6 + 4]; [4]
+    padded = make_micro_batches([group], max_tokens=20, pad_id=PAD)
+    assert [b.input_ids.shape for b in padded] == [(2, 10), (2, 4)]
+    lonely = make_micro_batches([ragged_group(1, [7, 1], prompt_tokens=3)], max_tokens=100,
+                                pad_id=PAD, packed=True)[0]  # lines of 10 and 4 tokens
+    assert lonely.position_ids[1].tolist() == [0, 1, 2, 3, 0, 1, 2, 3, 4, 5]  # padding restarts
     many = [ragged_group(s, [1 + (s * 7 + i) % 9 for i in range(5)]) for s in range(6)]
-    for b in make_micro_batches(many, max_tokens=40, pad_id=PAD, packed=True):
-        assert b.input_ids.shape[0] == 1 and b.input_ids.shape[1] <= 40
+    longest = max(3 + 1 + (s * 7 + i) % 9 for s in range(6) for i in range(5))
+    batches = make_micro_batches(many, max_tokens=40, pad_id=PAD, packed=True)
+    assert sum(len(b.sample_ids) for b in batches) == 30
+    for b in batches:
+        rows, width = b.input_ids.shape
+        assert width <= longest and rows * width <= 40
