@@ -15,7 +15,9 @@ What the server must be started with:
   `VLLM_ALLOW_RUNTIME_LORA_UPDATING=True` in its environment, or the load/unload routes do not
   exist. The server reads each adapter folder itself, so it must see the producer's weight
   folders at the same path.
-- Recommended: `--generation-config vllm`, so the model's generation_config adds no stop tokens.
+- Recommended: `--generation-config vllm`, so the model's generation_config sets no sampling
+  defaults. Its extra EOS ids still stop a response (vLLM reads them either way); such a
+  response ends on that stop token and is reported as "stop".
 
 Simplifications, chosen on purpose:
 - Blocking `urllib` calls (no new dependency); each exchange runs in a daemon thread joined with
