@@ -6,6 +6,7 @@ the codec never would, to test what a decoder does with bad input.
 """
 
 import hashlib
+from pathlib import Path
 
 import msgpack
 import numpy as np
@@ -109,3 +110,16 @@ def array_map(values, dtype: str) -> dict:
     """A wire array map `{dtype, length, data}` of `values` in `dtype` (any dtype, unchecked)."""
     data = np.asarray(values, dtype=dtype).tobytes()
     return {"dtype": dtype, "length": len(values), "data": data}
+
+
+def tokenizer_folder(out: Path, *, vocab_size: int) -> Path:
+    """What a producer that does not sample itself needs of a model: the character tokenizer
+    and a config.json naming the (padded) vocabulary size."""
+    import json
+
+    from miles.tasks.tiny_model import build_char_tokenizer
+
+    build_char_tokenizer().save_pretrained(out)
+    (out / "config.json").write_text(json.dumps({"model_type": "llama",
+                                                 "vocab_size": vocab_size}))
+    return out

@@ -34,6 +34,7 @@ from miles.engines.vllm_engine import (MAX_LORA_RANKS, ServedVersions, Served, V
                                        lora_rank_limit, parse_request_output, request_values)
 from miles.errors import ConfigError, EngineError, MilesError
 from miles.rl.sampling import SamplingParams
+from tests.factories import tokenizer_folder
 
 DATA = Path(__file__).parent.parent / "data" / "vllm_engine"
 VOCAB = 80  # config.json's vocab_size (the tokenizer has 78 tokens, the logits are padded)
@@ -188,12 +189,7 @@ def fake_vllm(monkeypatch):
 
 @pytest.fixture(scope="module")
 def tokenizer_dir(tmp_path_factory) -> Path:
-    from miles.tasks.tiny_model import build_char_tokenizer
-
-    out = tmp_path_factory.mktemp("tok")
-    build_char_tokenizer().save_pretrained(out)
-    (out / "config.json").write_text(json.dumps({"model_type": "llama", "vocab_size": VOCAB}))
-    return out
+    return tokenizer_folder(tmp_path_factory.mktemp("tok"), vocab_size=VOCAB)
 
 
 @pytest.fixture

@@ -26,6 +26,7 @@ from miles.engines.vllm_server import (VLLMServerEngine, VLLMServerSettings, run
                                        server_root)
 from miles.errors import ConfigError, EngineError
 from miles.rl.sampling import SamplingParams
+from tests.factories import tokenizer_folder
 
 DATA = Path(__file__).parent.parent / "data" / "vllm_server"
 VOCAB = 80  # config.json's vocab_size (the tokenizer has 78 tokens, the logits are padded)
@@ -103,12 +104,7 @@ def fake():
 
 @pytest.fixture(scope="module")
 def tokenizer_dir(tmp_path_factory) -> Path:
-    from miles.tasks.tiny_model import build_char_tokenizer
-
-    out = tmp_path_factory.mktemp("tok")
-    build_char_tokenizer().save_pretrained(out)
-    (out / "config.json").write_text(json.dumps({"model_type": "llama", "vocab_size": VOCAB}))
-    return out
+    return tokenizer_folder(tmp_path_factory.mktemp("tok"), vocab_size=VOCAB)
 
 
 @pytest.fixture
