@@ -123,3 +123,24 @@ def tokenizer_folder(out: Path, *, vocab_size: int) -> Path:
     (out / "config.json").write_text(json.dumps({"model_type": "llama",
                                                  "vocab_size": vocab_size}))
     return out
+
+
+def mean_logprob_gap(model, prompts: list[list[int]], groups: list, params) -> float:
+    """Mean |engine logprob - trainer logprob| over the completions `groups` (one list per
+    prompt) of an engine, the trainer's being `sampled_logprobs` under `model` (on CUDA) of the
+    same tokens. Checks each completion's finish reason on the way (GPU tests of the engines)."""
+    import torch
+
+    from miles.rl.sampling import sampled_logprobs
+
+    gaps = []
+    for prompt, group in zip(prompts, groups):
+        for completion in group:
+            assert completion.finish_reason in ("stop", "length")
+            ids = torch.tensor([prompt + completion.token_ids.tolist()], device="cuda")
+            with torch.inference_mode():
+                logits = model(ids).logits[0, len(prompt) - 1:-1]  # [T, V]
+            ours = sampled_logprobs(logits, ids[0, len(prompt):], temperature=params.temperature,
+                                    top_k=params.top_k, top_p=params.top_p)
+            gaps.append((ours.cpu() - torch.from_numpy(completion.logprobs)).abs().mean().item())
+    return float(np.mean(gaps))

@@ -34,7 +34,7 @@ from miles.engines.vllm_engine import (MAX_LORA_RANKS, ServedVersions, Served, V
                                        lora_rank_limit, parse_request_output, request_values)
 from miles.errors import ConfigError, EngineError, MilesError
 from miles.rl.sampling import SamplingParams
-from tests.factories import tokenizer_folder
+from tests.factories import mean_logprob_gap, tokenizer_folder
 
 DATA = Path(__file__).parent.parent / "data" / "vllm_engine"
 VOCAB = 80  # config.json's vocab_size (the tokenizer has 78 tokens, the logits are padded)
@@ -583,27 +583,16 @@ def _check_processed_logprobs(model_dir: Path, prompts, groups, params, adapter=
     bf16 serving vs fp32 scoring; raw logprobs, before temperature, differ far more)."""
     from transformers import AutoModelForCausalLM
 
-    from miles.rl.sampling import sampled_logprobs
-
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     if adapter is not None:
         from peft import PeftModel
 
         model = PeftModel.from_pretrained(model, adapter)
-    model = model.cuda().eval()
-    gaps = []
-    for prompt, group in zip(prompts, groups):
+    for group in groups:
         for completion in group:
-            assert completion.finish_reason in ("stop", "length")
             if completion.finish_reason == "stop":
                 assert completion.token_ids[-1] == EOS
-            ids = torch.tensor([prompt + completion.token_ids.tolist()], device="cuda")
-            with torch.inference_mode():
-                logits = model(ids).logits[0, len(prompt) - 1:-1]  # [T, V]
-            ours = sampled_logprobs(logits, ids[0, len(prompt):], temperature=params.temperature,
-                                    top_k=params.top_k, top_p=params.top_p)
-            gaps.append((ours.cpu() - torch.from_numpy(completion.logprobs)).abs().mean().item())
-    assert np.mean(gaps) < 0.1, gaps
+    assert mean_logprob_gap(model.cuda().eval(), prompts, groups, params) < 0.1
 
 
 GPU_SETTINGS = VLLMEngineSettings(enforce_eager=True, gpu_memory_utilization=0.25,

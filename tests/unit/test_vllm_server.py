@@ -26,7 +26,7 @@ from miles.engines.vllm_server import (VLLMServerEngine, VLLMServerSettings, run
                                        server_root)
 from miles.errors import ConfigError, EngineError
 from miles.rl.sampling import SamplingParams
-from tests.factories import tokenizer_folder
+from tests.factories import mean_logprob_gap, tokenizer_folder
 
 DATA = Path(__file__).parent.parent / "data" / "vllm_server"
 VOCAB = 80  # config.json's vocab_size (the tokenizer has 78 tokens, the logits are padded)
@@ -508,8 +508,6 @@ def test_real_server_samples_the_processed_distribution():
     import torch
     from transformers import AutoModelForCausalLM
 
-    from miles.rl.sampling import sampled_logprobs
-
     url = os.environ["MILES_VLLM_URL"]
     model_dir = os.environ.get("MILES_VLLM_TOKENIZER") or _served_root(url)
     engine = VLLMServerEngine(url, os.environ.get("MILES_VLLM_MODEL", ""), model_dir, lora=False,
@@ -518,18 +516,10 @@ def test_real_server_samples_the_processed_distribution():
     prompts = [engine.encode("The capital of France is"), engine.encode("1 + 1 =")]
     groups = engine.generate(prompts, params)
     assert [len(g) for g in groups] == [4, 4]
+    assert all(c.policy_version == 0 for group in groups for c in group)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).cuda().eval()
-    gaps = []
-    for prompt, group in zip(prompts, groups):
-        for completion in group:
-            assert completion.finish_reason in ("stop", "length") and completion.policy_version == 0
-            ids = torch.tensor([prompt + completion.token_ids.tolist()], device="cuda")
-            with torch.inference_mode():
-                logits = model(ids).logits[0, len(prompt) - 1:-1]  # [T, V]
-            ours = sampled_logprobs(logits, ids[0, len(prompt):], temperature=params.temperature,
-                                    top_k=params.top_k, top_p=params.top_p)
-            gaps.append((ours.cpu() - torch.from_numpy(completion.logprobs)).abs().mean().item())
-    assert np.mean(gaps) < 0.1, gaps  # bf16 serving vs fp32 scoring; raw logprobs differ far more
+    gap = mean_logprob_gap(model, prompts, groups, params)
+    assert gap < 0.1, gap  # bf16 serving vs fp32 scoring; raw logprobs differ far more
 
 
 def _served_root(url: str) -> str:
