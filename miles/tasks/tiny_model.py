@@ -35,8 +35,9 @@ def build_char_tokenizer():
 
 def build_tiny_model(out_dir: str | Path, *, arch: str = "llama", hidden_size: int = 128,
                      layers: int = 4, heads: int = 4, kv_heads: int = 2,
-                     max_positions: int = 64, seed: int = 0) -> Path:
-    """Write a freshly initialised tiny causal LM and its tokenizer to `out_dir`."""
+                     max_positions: int = 64, seed: int = 0, tied: bool = True) -> Path:
+    """Write a freshly initialised tiny causal LM and its tokenizer to `out_dir` (`tied`: the
+    LM head shares the input embeddings)."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -47,7 +48,7 @@ def build_tiny_model(out_dir: str | Path, *, arch: str = "llama", hidden_size: i
         arch, vocab_size=len(tokenizer), hidden_size=hidden_size,
         intermediate_size=hidden_size * 4, num_hidden_layers=layers,
         num_attention_heads=heads, num_key_value_heads=kv_heads,
-        max_position_embeddings=max_positions, tie_word_embeddings=True,
+        max_position_embeddings=max_positions, tie_word_embeddings=tied,
         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id)
     torch.manual_seed(seed)

@@ -23,7 +23,7 @@ Why it looks like this (peft 0.21):
   its own pre-forward hook all-gathers it there (a head inside the root unit would be read while
   the root may already be resharded).
 - `values` runs the full causal LM with `output_hidden_states=True` and `logits_to_keep=1`: the
-  root FSDP unit (embeddings, final norm) is only gathered by the root's forward, so the inner
+  root FSDP unit (final norm, tied embeddings) is only gathered by the root's forward, so the inner
   decoder cannot be called alone; `logits_to_keep=1` keeps the LM head to one position.
 - The actor is peft's "default" adapter (`model.ADAPTER_NAME`), so `export_adapter` and the
   engines' hot-load keep working unchanged; the critic is never exported to the engines.
@@ -72,10 +72,11 @@ def add_critic(model: nn.Module, lora: LoraSettings) -> nn.Linear:
 
 
 def new_value_head(model: nn.Module) -> nn.Linear:
-    """`Linear(hidden, 1)` in `model`'s dtype and device; small init: values start near 0 but
-    give the critic's body a gradient. Draws from torch's global RNG."""
+    """`Linear(hidden, 1)` on `model`'s device, fp32 (trainable, whatever the frozen base is
+    stored in); small init: values start near 0 but give the critic's body a gradient. Draws
+    from torch's global RNG."""
     embeddings = model.get_input_embeddings().weight  # [V, H]
-    head = nn.Linear(embeddings.shape[1], 1, device=embeddings.device, dtype=embeddings.dtype)
+    head = nn.Linear(embeddings.shape[1], 1, device=embeddings.device, dtype=torch.float32)
     if head.weight.device.type != "meta":  # a meta head is initialised once materialised
         init_value_head(head)
     return head

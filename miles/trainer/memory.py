@@ -21,7 +21,9 @@ Assumptions (each a named constant or a line below):
   16 B either way; FSDP2's MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32) with fp32
   sharded parameters also comes to 4 + 4 + 8 B. Frozen weights cost 4 or 2 B.
 - FSDP2 shards weights, gradients and optimizer state evenly over the ranks (padding ignored).
-  During a step the root unit (embeddings, final norm, untied LM head) stays gathered, and
+  During a step the vocabulary matrices count as gathered (tied: they stay in the root unit,
+  gathered through forward and backward; untied: embeddings and head are units of their own,
+  and at the peak one of them is gathered next to its all-gather buffer: the same bytes), and
   `GATHERED_BLOCKS` decoder blocks are unsharded at once (the one computing and the one being
   prefetched); unsharded gradients of the root and of one block wait for their reduce-scatter.
 - Activations: SDPA/flash attention (no [T, T] scores); per token and block autograd keeps

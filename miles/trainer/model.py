@@ -9,8 +9,10 @@ Simplifications:
 - By default the model is materialised in full on every rank and then sharded (`fully_shard`
   keeps each rank's shard); `load_policy(meta=True)` + `materialise_sharded` build it on the
   meta device and read only each rank's slices (`learner.sharded_load`).
-- Parameters are loaded and kept (sharded, with the optimizer state) in fp32; bf16 is only the
-  compute dtype, through FSDP2's mixed-precision policy (`fsdp_policies`).
+- Trained parameters are loaded and kept (sharded, with the optimizer state) in fp32; bf16 is
+  the compute dtype, through FSDP2's mixed-precision policy (`fsdp_policies`). Frozen weights
+  (LoRA's base, a reference copy) are loaded in the compute dtype: nothing updates them, so an
+  fp32 copy would only double their memory.
 - One policy adapter named "default" (the PPO critic adds its own, `miles.trainer.critic`).
 - Full weights are exported as one `model.safetensors` (no shards): the weight store announces
   one file per version.
@@ -25,7 +27,8 @@ from pathlib import Path
 import torch
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import (CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy,
+                                    fully_shard)
 
 from miles.engines.base import LoraSettings  # shared with the engines: one adapter shape
 from miles.errors import ConfigError, MilesError
@@ -34,7 +37,8 @@ from miles.trainer import distributed
 ADAPTER_NAME = "default"
 PRECISIONS = ("auto", "fp32", "bf16")
 """learner.precision: "bf16" computes in bf16 (fp32 master weights and gradient reduction),
-"fp32" in fp32, "auto" in bf16 on CUDA and fp32 elsewhere (CPUs gain little from bf16)."""
+"fp32" in fp32, "auto" in bf16 on CUDA and fp32 elsewhere (on CPUs bf16 speed depends on the
+CPU's bf16 support). Frozen weights are stored in the compute dtype."""
 
 
 def compute_dtype(precision: str, device: torch.device) -> torch.dtype:
@@ -135,17 +139,34 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
 
 def apply_fsdp(model: nn.Module, mesh=None, *, compile_blocks: bool = False,
                policies: dict | None = None) -> nn.Module:
-    """Shard `model` with FSDP2: one `fully_shard` unit per decoder block, then the root
-    (embeddings, final norm, head). `mesh` None: all ranks of the default group. With
-    `compile_blocks`, each decoder block is compiled with `torch.compile` first (the block's
-    forward and its FSDP hooks; the first steps pay the compilation). `policies`: more
-    `fully_shard` arguments for every unit (`fsdp_policies`)."""
+    """Shard `model` with FSDP2: one `fully_shard` unit per decoder block, one for the input
+    embeddings and one for the LM head (`vocab_units`), then the root (the final norm and
+    anything else left). `mesh` None: all ranks of the default group. With `compile_blocks`,
+    each decoder block is compiled with `torch.compile` first (the block's forward and its FSDP
+    hooks; the first steps pay the compilation). `policies`: more `fully_shard` arguments for
+    every unit (`fsdp_policies`)."""
     for layer in decoder_layers(model):
         if compile_blocks:
             layer.compile()
         fully_shard(layer, mesh=mesh, **(policies or {}))
+    for unit in vocab_units(model):
+        fully_shard(unit, mesh=mesh, **(policies or {}))
     fully_shard(model, mesh=mesh, **(policies or {}))
     return model
+
+
+def vocab_units(model: nn.Module) -> list[nn.Module]:
+    """The [vocab, hidden] matrices that get FSDP2 units of their own: the input embeddings and
+    an untied LM head. The root unit is never resharded between its forward and its backward,
+    so in it these two (the largest matrices of a small model) would stay gathered for the whole
+    step and after every no-grad forward; in their own units each is gathered only while it
+    computes (and again for its backward). Tied embeddings are one parameter, which must stay in
+    one unit: they stay in the root, gathered as before."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    embeddings, head = base.get_input_embeddings(), base.get_output_embeddings()
+    if head is not None and any(p is q for p in head.parameters() for q in embeddings.parameters()):
+        return []
+    return [m for m in (embeddings, head) if m is not None]
 
 
 def enable_activation_checkpointing(model: nn.Module) -> None:
@@ -167,6 +188,8 @@ def packing_supported(model: nn.Module, device: torch.device) -> bool:
     packed = model(input_ids=ids, position_ids=positions, use_cache=False).logits[0]
     alone = torch.cat([model(input_ids=part, use_cache=False).logits[0]
                        for part in ids.split(lengths, dim=1)])
+    if isinstance(model, FSDPModule):  # FSDP2 keeps the root gathered after a forward
+        model.reshard()
     scale = float(alone.abs().max())
     return float((packed - alone).abs().max()) <= 0.02 * max(scale, 1e-6)
 
