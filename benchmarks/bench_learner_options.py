@@ -1,4 +1,5 @@
-"""Step time and peak memory of the learner with torch.compile and activation checkpointing.
+"""Step time and peak memory of the learner's switches: sequence packing, bf16, torch.compile and
+activation checkpointing.
 
 Run by hand (not a test), from the repository root:
 
@@ -6,7 +7,11 @@ Run by hand (not a test), from the repository root:
 
 A Llama-style model from `build_tiny_model` (character vocabulary, tied embeddings; default
 hidden 512, 8 layers, ~25M parameters), full fine-tuning unless `--lora`; one `train_step` on 8
-groups x 8 samples of 16 prompt + 40 response tokens (3,584 tokens). Each mode runs in its own
+groups x 8 samples of 16 prompt + 8..40 response tokens (ragged, as RL responses are:
+2,547 tokens, 3,584 padded). "eager" is the default learner (packed sequences, fp32 on a CPU);
+"padded" turns packing off, "bf16" computes in bf16 (slow on CPUs without bf16 matrix units,
+measured for completeness), "compile" and "checkpointing" are each one switch on top of eager.
+Each mode runs in its own
 process: 3 warm-up steps (compilation happens there), then the median of 5 timed steps; peak
 memory is the process's resident high-water mark over the timed steps (`VmHWM` after resetting
 it with `/proc/self/clear_refs`), GiB = 2**30 bytes. Wall time on a shared CPU: indicative.
@@ -26,8 +31,8 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-MODES = {"eager": {}, "compile": {"compile": True},
-         "checkpointing": {"activation_checkpointing": True}}
+MODES = {"eager": {}, "padded": {"sequence_packing": False}, "bf16": {"precision": "bf16"},
+         "compile": {"compile": True}, "checkpointing": {"activation_checkpointing": True}}
 
 
 def peak_gib() -> float:
@@ -43,12 +48,14 @@ def child(mode: str, model_dir: str, lora: bool) -> dict:
     from miles.trainer import distributed
     from miles.trainer.learner import Learner, LearnerConfig
     from miles.trainer.model import LoraSettings
-    from tests.factories import make_group
+    from tests.factories import make_group, make_sample
 
     torch.set_num_threads(2)
     learner = Learner(model_dir, LearnerConfig(lr=1e-4, **MODES[mode]),
                       lora=LoraSettings(r=16, alpha=32) if lora else None)
-    groups = [make_group(8, 40, prompt_tokens=16, vocab_size=78, seed=s) for s in range(8)]
+    groups = [make_group(prompt_tokens=16, vocab_size=78, seed=s, samples=[
+        make_sample(8 + (s * 8 + i) * 7 % 33, vocab_size=78, seed=s * 8 + i) for i in range(8)])
+        for s in range(8)]
     for _ in range(3):
         learner.train_step(groups)
     Path("/proc/self/clear_refs").write_text("5")
@@ -67,6 +74,7 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=512)
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--lora", action="store_true")
+    parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
     parser.add_argument("--child", choices=MODES, help=argparse.SUPPRESS)
     parser.add_argument("--model-dir", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -79,7 +87,7 @@ def main() -> None:
         model_dir = build_tiny_model(Path(tmp), hidden_size=args.hidden, layers=args.layers,
                                      heads=8, kv_heads=4, max_positions=64)
         results = []
-        for mode in MODES:
+        for mode in args.modes:
             done = subprocess.run([sys.executable, __file__, "--child", mode, "--model-dir",
                                    str(model_dir)] + (["--lora"] if args.lora else []),
                                   capture_output=True, text=True,

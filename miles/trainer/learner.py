@@ -80,7 +80,8 @@ class LearnerConfig:
     compile: bool = False  # torch.compile each decoder block of the trained model(s)
     sharded_load: bool = False  # build on the meta device, read only this rank's weight slices
     precision: str = "auto"  # compute dtype: auto (bf16 on CUDA, fp32 on CPU), bf16 or fp32;
-    # weights, gradient reduction and optimizer state stay fp32
+    # trained weights, gradient reduction and optimizer state stay fp32, frozen weights (LoRA's
+    # base, the reference copy) are stored in the compute dtype
     cpu_offload: bool = False  # keep sharded weights, grads and optimizer state in host memory
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)  # estimator, loss, ...
 
@@ -150,7 +151,9 @@ class Learner:
         self.dtype = compute_dtype(config.precision, self.device)
         policies = fsdp_policies(self.dtype, cpu_offload=config.cpu_offload, device=self.device)
         shard = {"compile_blocks": config.compile, "policies": policies}
-        model, self.tokenizer = load_policy(model_dir, lora=lora, meta=meta)
+        frozen = self.dtype  # what weights nobody trains are stored in: the compute dtype
+        model, self.tokenizer = load_policy(model_dir, lora=lora, meta=meta,
+                                            dtype=torch.float32 if lora is None else frozen)
         if config.activation_checkpointing:
             enable_activation_checkpointing(model)
         self.critic = None  # full fine-tuning's value model (LoRA: an adapter of self.model)
@@ -173,7 +176,7 @@ class Learner:
             torch.nn.ModuleDict({"actor": self.model, critic.CRITIC: self.critic})
         self.reference = None  # full fine-tuning: a frozen copy; LoRA: the disabled adapter
         if self.algorithm.uses_reference and lora is None:
-            reference = load_policy(model_dir, lora=None, meta=meta)[0]
+            reference = load_policy(model_dir, lora=None, meta=meta, dtype=frozen)[0]
             self.reference = apply_fsdp(self._placed(reference), policies=policies)
             if meta:
                 materialise_sharded(self.reference, model_dir, self.device,
