@@ -310,9 +310,11 @@ def trainer_plan(*, lora: LoraSettings | None, learner) -> Plan:
     """The `Plan` of a learner (`LearnerConfig`) over torchrun's WORLD_SIZE ranks."""
     import torch
 
+    from miles.trainer.model import compute_dtype
+
     algorithm = learner.algorithm
-    bf16 = learner.precision == "bf16" or (learner.precision == "auto" and
-                                           torch.cuda.is_available())
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    bf16 = compute_dtype(learner.precision, device) == torch.bfloat16
     return Plan(lora=lora, critic=algorithm.uses_critic, reference=algorithm.uses_reference,
                 dtype="bf16" if bf16 else "fp32", ranks=int(os.environ.get("WORLD_SIZE", "1")),
                 tokens=learner.max_tokens_per_micro_batch,

@@ -42,9 +42,8 @@ CPU's bf16 support). Frozen weights are stored in the compute dtype."""
 
 
 def compute_dtype(precision: str, device: torch.device) -> torch.dtype:
-    """The dtype forward and backward run in under `precision` (one of PRECISIONS)."""
-    if precision not in PRECISIONS:
-        raise ConfigError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
+    """The dtype forward and backward run in under `precision` (one of PRECISIONS, checked by
+    `LearnerConfig`) on `device`."""
     bf16 = precision == "bf16" or (precision == "auto" and device.type == "cuda")
     return torch.bfloat16 if bf16 else torch.float32
 
