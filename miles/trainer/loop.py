@@ -18,7 +18,9 @@ and is trained like any other (it is fresh data, just a second draw for the same
 Exactly-once bookkeeping: per partition, the next offset to read is the offset of the first
 group still waiting in the buffer, or the consumer's position when nothing waits; everything
 before it was trained, dropped as stale or dead-lettered. A restarted trainer loads the newest
-checkpoint, truncates the ledger to it and seeks there.
+checkpoint, truncates the ledger to it and seeks there. The same offsets are committed to the
+trainer's consumer group after every checkpoint and at shutdown, so its lag (`miles status`)
+follows the run; the checkpoint, not the commit, is what a restart resumes from.
 """
 
 from __future__ import annotations
@@ -278,6 +280,8 @@ class TrainerLoop:
         metrics, record = await self._blocking(self.runner.step, payload)
         if record is not None:
             await self._announce(record)
+        if checkpoint:
+            await self._commit(consumer, offsets)
         self.counts["trainer/groups_trained"] += len(groups)
         self.counts["trainer/dropped_stale"] += len(skipped["dropped"])
         self.counts["trainer/filtered_groups"] += len(skipped["filtered"])
@@ -308,9 +312,14 @@ class TrainerLoop:
             offsets = await self._next_offsets(consumer, offsets)
             await self._checkpoint({"step": self.step, "offsets": {
                 f"{tp.topic}:{tp.partition}": o for tp, o in offsets.items()}})
-        if offsets:
-            await consumer.commit({tp: o for tp, o in offsets.items()
-                                   if tp in consumer.assignment()})
+        await self._commit(consumer, offsets)
+
+    @staticmethod
+    async def _commit(consumer, offsets: dict[TopicPartition, int]) -> None:
+        """Commit `offsets` (those of the newest checkpoint) for the partitions still assigned."""
+        mine = {tp: o for tp, o in offsets.items() if tp in consumer.assignment()}
+        if mine:
+            await consumer.commit(mine)
 
     # -- reporting ----------------------------------------------------------------------------
 

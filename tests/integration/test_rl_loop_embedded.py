@@ -125,3 +125,20 @@ async def test_dynamic_sampling_trains_only_groups_with_a_reward_spread(model_di
     assert all(spread[g] for g in trained) and not any(spread[g] for g in filtered)
     metrics = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[-1])
     assert metrics["trainer/filtered_groups"] == len(filtered)
+
+
+async def test_the_trainer_commits_its_offsets_at_every_checkpoint(model_dir, tmp_path,
+                                                                   monkeypatch):
+    """Committed offsets follow the run (checkpoints at steps 2 and 4, then shutdown), so the
+    trainer group's lag in `miles status` is live, not frozen until the trainer stops."""
+    commits = []
+    commit = TrainerLoop._commit
+
+    async def spy(consumer, offsets):
+        commits.append(sum(o for tp, o in offsets.items() if tp in consumer.assignment()))
+        await commit(consumer, offsets)
+
+    monkeypatch.setattr(TrainerLoop, "_commit", staticmethod(spy))
+    await run_loop(model_dir, tmp_path, max_staleness=1)
+    assert len(commits) == 3 and 0 < commits[0] <= commits[1] == commits[2]
+    assert commits[0] >= 2 * PER_STEP  # two steps' groups were behind the first checkpoint
