@@ -9,6 +9,7 @@ from dataclasses import replace
 
 import pytest
 import torch
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule
 from torch.distributed.tensor import DTensor
 from torch.testing import assert_close
 
@@ -49,6 +50,12 @@ def test_activation_checkpointing_gives_the_same_step(model_dir, lora):
 @pytest.mark.parametrize("lora, sharded_load", [(LORA, False), (None, True)],
                          ids=["lora", "full-sharded-load"])  # (sharded LoRA inits differ)
 def test_cpu_offload_gives_the_same_step(model_dir, lora, sharded_load):
+    learner = Learner(model_dir, LearnerConfig(cpu_offload=True), lora=lora)
+    units = [m for m in learner.model.modules() if isinstance(m, FSDPModule)]
+    # FSDP2 internals: every unit got the offload policy
+    assert all(isinstance(m._get_fsdp_state()._fsdp_param_group.offload_policy,
+                          CPUOffloadPolicy) for m in units if m._get_fsdp_state()._fsdp_param_group)
+    distributed.destroy()
     plain, before = step(model_dir, lora)
     offloaded, after = step(model_dir, lora, cpu_offload=True, sharded_load=sharded_load)
     assert offloaded["trainer/loss"] == pytest.approx(plain["trainer/loss"], abs=1e-6)
@@ -67,6 +74,7 @@ def test_bf16_mixed_precision_keeps_fp32_weights_and_takes_a_close_step(model_di
     distributed.destroy()
     plain, before = step(model_dir, lora, algorithm=algorithm)
     mixed, after = step(model_dir, lora, algorithm=algorithm, precision="bf16")
+    assert mixed["trainer/loss"] != plain["trainer/loss"]  # it did compute in bf16
     assert mixed["trainer/loss"] == pytest.approx(plain["trainer/loss"], rel=0.05, abs=1e-3)
     assert mixed["trainer/grad_norm"] == pytest.approx(plain["trainer/grad_norm"], rel=0.05)
     if algo == "ppo":
