@@ -46,6 +46,7 @@ import shutil
 import sys
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -217,8 +218,8 @@ def memory_estimate(config, args, world: int) -> float:
     from miles.trainer.memory import GIB, ModelShape, estimate_memory, trainer_plan
     from miles.trainer.model import LoraSettings
 
-    os.environ.setdefault("WORLD_SIZE", str(world))
-    plan = trainer_plan(lora=LoraSettings() if args.lora else None, learner=learner_config(args))
+    plan = replace(trainer_plan(lora=LoraSettings() if args.lora else None,
+                                learner=learner_config(args)), ranks=world)
     return estimate_memory(ModelShape.from_hf_config(config.to_dict()), plan).step / GIB
 
 

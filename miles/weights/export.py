@@ -68,7 +68,7 @@ def export_model(model_dir: Path, weights: Path, out_dir: Path, *, adapter_only:
         raise ConfigError(f"{out_dir} exists and is not empty")
     try:
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
-        config = AutoConfig.from_pretrained(model_dir)
+        config = None if adapter_only else AutoConfig.from_pretrained(model_dir)
     except (OSError, ValueError) as exc:
         raise ConfigError(f"model_dir {str(model_dir)!r} could not be loaded: {exc}") from exc
     if adapter_only:
@@ -79,8 +79,8 @@ def export_model(model_dir: Path, weights: Path, out_dir: Path, *, adapter_only:
         (out_dir / "adapter_config.json").write_text(json.dumps(adapter, indent=2) + "\n")
         tokenizer.save_pretrained(out_dir)
         return version
-    target = getattr(config, "dtype", None) or torch.float32 if dtype == "auto" else dtype
-    target = getattr(torch, target) if isinstance(target, str) else target
+    target = (getattr(config, "dtype", None) or "float32") if dtype == "auto" else dtype
+    target = getattr(torch, target) if isinstance(target, str) else target  # a str or a dtype
     try:
         if fmt == "full":
             model = AutoModelForCausalLM.from_pretrained(version, dtype=torch.float32)
