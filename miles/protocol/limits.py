@@ -10,7 +10,7 @@ import numpy as np
 
 from miles.protocol.topics import MAX_RECORD_BYTES
 
-SCHEMA_VERSION = (1, 1)
+SCHEMA_VERSION = (1, 2)
 """(major, minor) written into every record. Readers reject another major, accept any minor."""
 
 TOKEN_DTYPE = np.dtype("<i4")
@@ -36,6 +36,9 @@ MAX_VOCAB_SIZE = (1 << 31) - 1
 
 MAX_POLICY_VERSION = (1 << 31) - 1
 """Largest policy version: per-token versions travel as int32."""
+
+MAX_GENERATION = (1 << 31) - 1
+"""Largest trainer generation (one per trainer start on a run's out_dir)."""
 
 # Range of every other integer on the wire (counts, offsets, byte sizes, scalar-map values).
 INT64_MIN = -(1 << 63)

@@ -138,6 +138,7 @@ class WeightVersion(WireRecord):
     sha256: str  # 64 lowercase hex digits of the file at `uri`
     bytes: int
     base_model: str
+    trainer_generation: int = 0  # the announcing trainer's incarnation (fencing; 1.2)
     created_at: float
 
 
@@ -165,6 +166,7 @@ class Heartbeat(WireRecord):
     policy_version: int
     in_flight: int = 0
     tokens_per_s: float = 0.0
+    trainer_generation: int = 0  # a trainer's incarnation (fencing; 1.2); 0 from producers
     extra: ScalarMap = field(default_factory=dict)
     created_at: float
 

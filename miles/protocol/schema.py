@@ -20,7 +20,7 @@ from collections.abc import Callable
 from miles.errors import CodecError
 from miles.protocol.arrays import FINITE, LOGPROBS, VERSIONS, token_ids_rule
 from miles.protocol.fields import ArraySpec, FieldReader, preview
-from miles.protocol.limits import (FLOAT_DTYPE, MAX_DEAD_LETTER_PAYLOAD_BYTES,
+from miles.protocol.limits import (FLOAT_DTYPE, MAX_DEAD_LETTER_PAYLOAD_BYTES, MAX_GENERATION,
                                    MAX_POLICY_VERSION, MAX_SAMPLES_PER_GROUP,
                                    MAX_TOKENS_PER_SEQUENCE, MAX_VOCAB_SIZE, TOKEN_DTYPE)
 from miles.protocol.records import (ALL_TARGETS, COMMANDS, FINISH_REASONS, WEIGHT_FORMATS, Command,
@@ -162,6 +162,7 @@ def read_weight_version(r: FieldReader) -> WeightVersion:
         sha256=_sha256(r),
         bytes=r.integer("bytes", lo=0),
         base_model=r.string("base_model", nonempty=True),
+        trainer_generation=r.integer("trainer_generation", lo=0, hi=MAX_GENERATION, default=0),
         created_at=_created_at(r),
     )
 
@@ -183,6 +184,7 @@ def read_heartbeat(r: FieldReader) -> Heartbeat:
         policy_version=r.integer("policy_version", lo=0, hi=MAX_POLICY_VERSION),
         in_flight=r.integer("in_flight", lo=0, default=0),
         tokens_per_s=r.number("tokens_per_s", lo=0.0, default=0.0),
+        trainer_generation=r.integer("trainer_generation", lo=0, hi=MAX_GENERATION, default=0),
         extra=r.scalar_map("extra"),
         created_at=_created_at(r),
     )

@@ -266,7 +266,7 @@ DECODE_REJECTIONS = [
     (_set("type", "trajectory"), "type", "unknown record type 'trajectory'; known: prompt_task"),
     (_delete("type"), "type", "missing required field"),
     (_set("schema", [2, 0]), "schema",
-     "record has schema 2.0, this reader reads major version 1 (schema 1.1); upgrade"),
+     "record has schema 2.0, this reader reads major version 1 (schema 1.2); upgrade"),
     (_set("schema", [0, 9]), "schema", "record has schema 0.9"),
     (_set("schema", "1.0"), "schema", "expected an array of 2 ints"),
     (_delete("schema"), "schema", "missing required field"),
@@ -292,6 +292,10 @@ def test_decode_rejects_more_samples_than_the_limit():
     (make_weight_version(), _set("sha256", "AB" * 32), "sha256", "64 lowercase hex digits"),
     (make_weight_version(), _set("format", "gguf"), "format", "must be one of lora, full"),
     (make_weight_version(), _set("policy_version", -1), "policy_version", "must be in [0, "),
+    (make_weight_version(), _set("trainer_generation", -2), "trainer_generation",
+     "must be in [0, "),
+    (make_heartbeat(), _set("trainer_generation", 1 << 31), "trainer_generation",
+     "must be in [0, "),
     (make_command(), _set("command", "reboot"), "command", "must be one of pause, resume"),
     (make_heartbeat(), _set("tokens_per_s", -1.0), "tokens_per_s", "must be in [0.0, inf]"),
     (make_heartbeat(), _set("extra", {"x": None}), "extra.x", "got nil"),
@@ -393,3 +397,12 @@ def test_schema_1_0_groups_without_epoch_still_read_as_epoch_0():
     del body["epoch"]
     body["schema"] = [1, 0]
     assert decode(msgpack.packb(body, use_bin_type=True), TrajectoryGroup).epoch == 0
+
+
+def test_schema_1_1_control_records_read_as_generation_0():
+    version = make_weight_version(trainer_generation=4)
+    assert decode(encode(version), WeightVersion).trainer_generation == 4
+    body = msgpack.unpackb(encode(version), raw=False)
+    del body["trainer_generation"]
+    body["schema"] = [1, 1]
+    assert decode(msgpack.packb(body, use_bin_type=True), WeightVersion).trainer_generation == 0
