@@ -2,7 +2,8 @@
 
 Also runs without torchrun (one rank). Rank 0 talks to the bus; the other ranks follow its
 steps. Stops on SIGTERM (after the step in hand, with a final checkpoint) or after
-`loop.max_steps`.
+`loop.max_steps`. Exits with 2 when checkpoints exist but none can be loaded, and with 3 when a
+newer trainer generation took over the run's out_dir (this one was fenced).
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ from miles.trainer.learner import LearnerConfig
 from miles.trainer.loop import LoopConfig
 
 log = logging.getLogger("consumers.trainer")
+EXIT_NO_CHECKPOINT = 2
+EXIT_FENCED = 3
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -66,6 +69,7 @@ async def run_trainer(settings: TrainerSettings, runner, stop) -> dict:
 
 
 def main(argv=None) -> int:
+    from miles.errors import CheckpointError, FencedError
     from miles.trainer import distributed
 
     configure_logging()
@@ -79,6 +83,12 @@ def main(argv=None) -> int:
         else:
             runner.follow()
         distributed.barrier()  # gloo aborts if a rank tears down while another still talks
+    except FencedError as err:
+        log.error("fenced: %s", err)
+        return EXIT_FENCED
+    except CheckpointError as err:
+        log.error("cannot resume: %s", err)
+        return EXIT_NO_CHECKPOINT
     finally:
         distributed.destroy()
     return 0

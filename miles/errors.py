@@ -40,3 +40,12 @@ class WeightsError(MilesError):
 
 class EngineError(MilesError):
     """A rollout engine could not be built, could not generate, or rejected a weight load."""
+
+
+class CheckpointError(MilesError):
+    """A trainer checkpoint is incomplete, damaged or cannot be loaded or published."""
+
+
+class FencedError(MilesError):
+    """A newer trainer generation took over this run's output folder; this trainer must stop
+    without writing anything more."""

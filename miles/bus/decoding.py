@@ -14,7 +14,7 @@ import time
 from collections import Counter
 from dataclasses import dataclass
 
-from miles.bus.base import Bus, Consumer, Record
+from miles.bus.base import Bus, Consumer, Record, TopicPartition
 from miles.errors import CodecError
 from miles.protocol import DeadLetter, WireRecord, decode, encode
 
@@ -38,10 +38,12 @@ class DecodingConsumer:
         self.expected = expected
         self.counts: Counter[str] = Counter()
         self.dlq_reasons: Counter[str] = Counter()
+        self.next_offsets: dict[TopicPartition, int] = {}  # past the last record polled
 
     async def poll(self, max_records: int = 500, timeout_s: float = 1.0) -> list[Decoded]:
         decoded = []
         for record in await self.consumer.poll(max_records=max_records, timeout_s=timeout_s):
+            self.next_offsets[record.tp] = record.offset + 1
             self.counts["bus/records"] += 1
             self.counts["bus/bytes"] += len(record.value)
             try:

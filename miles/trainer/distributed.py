@@ -91,6 +91,11 @@ def all_reduce_max(tensor: torch.Tensor) -> torch.Tensor:
     return _all_reduce(tensor, dist.ReduceOp.MAX)
 
 
+def any_rank(flag: bool) -> bool:
+    """True on every rank when `flag` is true on any (a collective)."""
+    return bool(all_reduce_max(torch.tensor([int(flag)], dtype=torch.int64)).item())
+
+
 def _all_reduce(tensor: torch.Tensor, op: dist.ReduceOp) -> torch.Tensor:
     if world_size() == 1:
         return tensor

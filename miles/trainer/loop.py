@@ -38,14 +38,15 @@ import msgpack
 
 from miles.bus import Bus, TopicPartition
 from miles.bus.decoding import Decoded, DecodingConsumer
-from miles.errors import ConfigError
+from miles.errors import BusError, ConfigError, FencedError
 from miles.protocol import Heartbeat, TrajectoryGroup, WeightVersion, decode, encode
 from miles.protocol.topics import topic_name
 from miles.trainer import distributed
-from miles.trainer.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from miles.trainer.checkpoint import load_newest, save_checkpoint
+from miles.trainer.fence import Fence
 from miles.trainer.learner import Learner
 from miles.trainer.progress import Progress
-from miles.weights.store import prune_versions, write_version
+from miles.weights.store import discard_versions_after, prune_versions, write_version
 
 log = logging.getLogger(__name__)
 RECENT_PROMPTS = 65_536  # prompts remembered to count re-generated ones
@@ -75,6 +76,19 @@ def uniform_rewards(group: TrajectoryGroup) -> bool:
     return len({s.reward for s in group.samples}) <= 1
 
 
+def new_batch() -> dict[str, list[Decoded]]:
+    return {"trained": [], "dropped": [], "filtered": []}
+
+
+def truncate_steps(path: Path, step: int) -> None:
+    """Keep only the lines of a JSONL log (ledger, metrics) whose step is <= `step`."""
+    if not path.exists():
+        return
+    kept = [line for line in path.read_text().splitlines()
+            if line and json.loads(line)["step"] <= step]
+    path.write_text("".join(f"{line}\n" for line in kept))
+
+
 def pack_step(groups: list[bytes], *, checkpoint: bool, meta: dict) -> bytes:
     return msgpack.packb({"groups": groups, "checkpoint": checkpoint, "meta": meta},
                          use_bin_type=True)
@@ -96,15 +110,21 @@ class StepRunner:
         self.base_model = base_model
         self.weights_dir = Path(config.out_dir) / "weights"
         self.checkpoints = Path(config.out_dir) / "checkpoints"
+        self.fence: Fence | None = None  # rank 0's generation, taken by `resume`
 
     def resume(self) -> tuple[dict | None, WeightVersion | None]:
-        """Load the newest checkpoint if any; export the weights the trainer starts from."""
+        """Take the next trainer generation, load the newest checkpoint that verifies (if any),
+        drop the weight versions of the lineage it replaces, export the starting weights."""
+        if distributed.is_main():
+            self.fence = Fence.take(self.config.out_dir)
+        state = self.learner.state_dict()
+        found = load_newest(self.checkpoints, state)
         meta = None
-        path = latest_checkpoint(self.checkpoints)
-        if path is not None:
-            state = self.learner.state_dict()
-            meta = load_checkpoint(path, state)
+        if found is not None:
+            meta = found[1]
             self.learner.load_state_dict(state)
+        if distributed.is_main():
+            discard_versions_after(self.weights_dir, self.learner.policy_version)
         return meta, self.export(step=int(meta["step"]) if meta else 0)
 
     def export(self, *, step: int) -> WeightVersion | None:
@@ -114,9 +134,21 @@ class StepRunner:
             return None
         record = write_version(self.weights_dir, policy_version=self.learner.policy_version,
                                step=step, base_model=self.base_model,
-                               write=self.learner.export_weights, fmt=self.learner.weights_format)
+                               write=self.learner.export_weights, fmt=self.learner.weights_format,
+                               trainer_generation=self.fence.generation)
         prune_versions(self.weights_dir, self.config.keep_versions)
         return record
+
+    def check_fence(self) -> None:
+        """FencedError on every rank when rank 0 finds a newer generation (a collective)."""
+        error = None
+        if self.fence is not None:
+            try:
+                self.fence.check()
+            except FencedError as err:
+                error = err
+        if distributed.any_rank(error is not None):
+            raise error or FencedError("rank 0 found a newer trainer generation")
 
     def step(self, payload: bytes) -> tuple[dict[str, float], WeightVersion | None] | None:
         """Run one step message broadcast by rank 0; None when the message says stop."""
@@ -129,20 +161,34 @@ class StepRunner:
             version = self.learner.policy_version
             metrics = self.learner.train_step(groups)
             if self.learner.policy_version != version:
+                self.check_fence()
                 record = self.export(step=meta["step"])
         if checkpoint:
-            save_checkpoint(self.checkpoints, meta["step"], self.learner.state_dict(), meta)
+            save_checkpoint(self.checkpoints, meta["step"], self.learner.state_dict(), meta,
+                            fence=self.fence.check if self.fence else None)
         return metrics, record
 
     def follow(self) -> None:
-        """Ranks other than 0: resume, then run steps until rank 0 broadcasts stop."""
+        """Ranks other than 0: resume, then run steps until rank 0 broadcasts stop (which it
+        also does after finding itself fenced)."""
         self.resume()
-        while self.step(b"") is not None:
-            pass
+        while True:
+            try:
+                if self.step(b"") is None:
+                    return
+            except FencedError:
+                continue
 
 
 class TrainerLoop:
-    """Rank 0's side: the bus, staleness, weight versions, ledger, metrics, checkpoints."""
+    """Rank 0's side: the bus, staleness, weight versions, ledger, metrics, checkpoints.
+
+    The trainer owns its positions: `positions` holds, per partition, the next offset to read
+    as of the last step or rebalance (the checkpoint's at start). Whenever the group assigns
+    partitions (the first join, or a rejoin after a pause longer than the session timeout, a
+    member joining or leaving) each is sought to its position, never to the group's committed
+    offset; records of revoked partitions that were read but not yet trained are discarded
+    (they are read again from the position, by this trainer or the next owner)."""
 
     def __init__(self, bus: Bus, runner: StepRunner):
         self.bus = bus
@@ -151,11 +197,16 @@ class TrainerLoop:
         self.config = runner.config
         self.out_dir = Path(self.config.out_dir)
         self.buffer: deque[Decoded] = deque()
+        self.batch: dict[str, list[Decoded]] = new_batch()  # the step being collected
+        self.positions: dict[TopicPartition, int] = {}
         self.step = 0
         self.counts: Counter[str] = Counter()
         self.lags: Counter[int] = Counter()
         self.recent_prompts: OrderedDict[tuple[str, int], None] = OrderedDict()
         self.progress = Progress()
+        self.consumer = None
+        self.reader: DecodingConsumer | None = None
+        self._dead_lettered_before = 0  # by earlier incarnations (from the checkpoint)
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="learner")
 
     def _topic(self, kind: str) -> str:
@@ -166,19 +217,20 @@ class TrainerLoop:
 
     async def run(self, stop: asyncio.Event) -> dict:
         self.out_dir.mkdir(parents=True, exist_ok=True)
-        consumer = self.bus.consumer([self._topic("trajectories")],
-                                     group_id=f"miles.{self.config.run}.trainer")
         try:
-            async with consumer:
-                reader = DecodingConsumer(self.bus, consumer, dlq_topic=self._topic("dlq"),
-                                          expected=TrajectoryGroup)
-                offsets = await self._resume(consumer)
+            await self._resume()
+            self.consumer = self.bus.consumer(
+                [self._topic("trajectories")], group_id=f"miles.{self.config.run}.trainer",
+                on_assigned=self._on_assigned, on_revoked=self._on_revoked)
+            async with self.consumer:
+                self.reader = DecodingConsumer(self.bus, self.consumer,
+                                               dlq_topic=self._topic("dlq"),
+                                               expected=TrajectoryGroup)
                 while not stop.is_set() and not self._done():
-                    groups, skipped = await self._collect(reader, consumer, stop)
-                    if groups is None:
+                    if not await self._collect(stop):
                         break
-                    offsets = await self._train(groups, skipped, consumer, offsets)
-                await self._finish(consumer, offsets)
+                    await self._train()
+                await self._finish()
         finally:
             await self._blocking(self.runner.step, b"")  # followers stop
             self._executor.shutdown(wait=True)
@@ -189,71 +241,89 @@ class TrainerLoop:
     def _done(self) -> bool:
         return bool(self.config.max_steps) and self.step >= self.config.max_steps
 
-    # -- resume -------------------------------------------------------------------------------
+    # -- resume and rebalances ----------------------------------------------------------------
 
-    async def _resume(self, consumer) -> dict[TopicPartition, int]:
+    async def _resume(self) -> None:
+        """Load the checkpoint, cut the ledger and metrics back to it (to nothing without one),
+        restore the counters, announce the starting weights."""
         meta, record = await self._blocking(self.runner.resume)
-        await self._announce(record)
-        await self._wait_for_assignment(consumer)
-        offsets: dict[TopicPartition, int] = {}
-        if meta is None:
-            return offsets
+        meta = meta or {"step": 0, "offsets": {}}
         self.step = int(meta["step"])
         for key, offset in meta["offsets"].items():
             topic, _, partition = key.rpartition(":")
-            offsets[TopicPartition(topic, int(partition))] = int(offset)
-        for tp, offset in offsets.items():
-            if tp in consumer.assignment():
-                consumer.seek(tp, offset)
-        self._truncate_ledger(self.step)
-        log.info("resumed at step %d, policy version %d", self.step, self.learner.policy_version)
-        return offsets
+            self.positions[TopicPartition(topic, int(partition))] = int(offset)
+        self.counts.update(meta.get("counts", {}))
+        self.lags.update({int(k): v for k, v in meta.get("lags", {}).items()})
+        self._dead_lettered_before = self.counts["trainer/dead_lettered"]
+        for name in ("ledger.jsonl", "metrics.jsonl"):
+            truncate_steps(self.out_dir / name, self.step)
+        await self._announce(record)
+        log.info("trainer generation %d %s at step %d, policy version %d",
+                 self.runner.fence.generation, "resumed" if self.step else "started",
+                 self.step, self.learner.policy_version)
 
-    async def _wait_for_assignment(self, consumer) -> None:
-        while not consumer.assignment():
-            records = await consumer.poll(timeout_s=0.2)
-            if records:  # a rebalance handed out partitions and data at once: rewind
-                for tp in {r.tp for r in records}:
-                    consumer.seek(tp, min(r.offset for r in records if r.tp == tp))
+    def _in_flight(self):
+        yield from self.buffer
+        for items in self.batch.values():
+            yield from items
 
-    def _truncate_ledger(self, step: int) -> None:
-        path = self.out_dir / "ledger.jsonl"
-        if not path.exists():
-            return
-        kept = [line for line in path.read_text().splitlines()
-                if line and json.loads(line)["step"] <= step]
-        path.write_text("".join(f"{line}\n" for line in kept))
+    def _position(self, tp: TopicPartition) -> int | None:
+        """The first offset of `tp` not yet trained, dropped or dead-lettered."""
+        waiting = [d.record.offset for d in self._in_flight() if d.record.tp == tp]
+        return min(waiting) if waiting else self._read_to(tp)
+
+    def _read_to(self, tp: TopicPartition) -> int | None:
+        """The offset past the last record of `tp` polled (or the known position)."""
+        polled = self.reader.next_offsets if self.reader is not None else {}
+        return polled.get(tp, self.positions.get(tp))
+
+    async def _on_revoked(self, revoked: set[TopicPartition]) -> None:
+        for tp in revoked:
+            position = self._position(tp)
+            if position is not None:
+                self.positions[tp] = position
+            if self.reader is not None:
+                self.reader.next_offsets.pop(tp, None)
+        dropped = sum(d.record.tp in revoked for d in self._in_flight())
+        self.buffer = deque(d for d in self.buffer if d.record.tp not in revoked)
+        for items in self.batch.values():
+            items[:] = [d for d in items if d.record.tp not in revoked]
+        log.info("partitions revoked: %s; %d groups read ahead will be read again",
+                 sorted(f"{tp.topic}:{tp.partition}" for tp in revoked), dropped)
+
+    async def _on_assigned(self, assigned: set[TopicPartition]) -> None:
+        for tp in assigned:
+            if tp in self.positions:
+                self.consumer.seek(tp, self.positions[tp])
 
     # -- collect ------------------------------------------------------------------------------
 
-    async def _collect(self, reader: DecodingConsumer, consumer, stop: asyncio.Event):
-        """`groups_per_step` fresh groups from the buffer and the bus, and the groups skipped on
-        the way ({"dropped": stale, "filtered": equal rewards}); groups None if stopped first."""
-        groups: list[Decoded] = []
-        skipped: dict[str, list[Decoded]] = {"dropped": [], "filtered": []}
+    async def _collect(self, stop: asyncio.Event) -> bool:
+        """Fill `batch` with `groups_per_step` fresh groups from the buffer and the bus, and the
+        groups skipped on the way (dropped: stale, filtered: equal rewards); False if stopped
+        first (what was collected goes back to the buffer)."""
         last_beat = 0.0
-        while len(groups) < self.config.groups_per_step:
+        while len(self.batch["trained"]) < self.config.groups_per_step:
             if not self.buffer:
                 if stop.is_set():
-                    self.buffer.extendleft(reversed(groups))
-                    return None, skipped
-                self.buffer.extend(await reader.poll(timeout_s=0.2))
-                self.counts["trainer/dead_lettered"] = reader.counts["bus/dlq_records"]
+                    self.buffer.extendleft(reversed(self.batch["trained"]))
+                    self.batch["trained"] = []
+                    return False
+                self.buffer.extend(await self.reader.poll(timeout_s=0.2))
+                self.counts["trainer/dead_lettered"] = \
+                    self._dead_lettered_before + self.reader.counts["bus/dlq_records"]
                 if time.monotonic() - last_beat > self.config.heartbeat_s:
-                    await self._heartbeat(consumer)
+                    await self._heartbeat()
                     last_beat = time.monotonic()
                 continue
             item = self.buffer.popleft()
-            self._note_prompt(item.value)
-            lag = item.value.lag(self.learner.policy_version)
-            if lag > self.config.max_staleness:
-                skipped["dropped"].append(item)
+            if item.value.lag(self.learner.policy_version) > self.config.max_staleness:
+                self.batch["dropped"].append(item)
             elif self.learner.algorithm.dynamic_sampling and uniform_rewards(item.value):
-                skipped["filtered"].append(item)
+                self.batch["filtered"].append(item)
             else:
-                self.lags[lag] += 1
-                groups.append(item)
-        return groups, skipped
+                self.batch["trained"].append(item)
+        return True
 
     def _note_prompt(self, group: TrajectoryGroup) -> None:
         key = (group.task_id, group.epoch)
@@ -266,67 +336,79 @@ class TrainerLoop:
 
     # -- train --------------------------------------------------------------------------------
 
-    async def _train(self, groups: list[Decoded], skipped: dict[str, list[Decoded]], consumer,
-                     offsets: dict[TopicPartition, int]) -> dict[TopicPartition, int]:
+    async def _train(self) -> None:
         began = time.perf_counter()
+        batch, self.batch = self.batch, new_batch()
+        groups = batch["trained"]
         self.step += 1
-        offsets = await self._next_offsets(consumer, offsets)
+        self._count(batch)
+        self.positions = self._next_offsets()
         checkpoint = bool(self.config.checkpoint_every) and \
             self.step % self.config.checkpoint_every == 0
-        meta = {"step": self.step, "offsets": {f"{tp.topic}:{tp.partition}": o
-                                               for tp, o in offsets.items()}}
-        self._write_ledger(groups, skipped)
-        payload = pack_step([g.record.value for g in groups], checkpoint=checkpoint, meta=meta)
+        self.runner.fence.check()
+        self._write_ledger(batch)
+        payload = pack_step([g.record.value for g in groups], checkpoint=checkpoint,
+                            meta=self._meta())
         metrics, record = await self._blocking(self.runner.step, payload)
         if record is not None:
             await self._announce(record)
         if checkpoint:
-            await self._commit(consumer, offsets)
-        self.counts["trainer/groups_trained"] += len(groups)
-        self.counts["trainer/dropped_stale"] += len(skipped["dropped"])
-        self.counts["trainer/filtered_groups"] += len(skipped["filtered"])
+            await self._commit()
         self._write_metrics(metrics, groups, time.perf_counter() - began)
-        await self._heartbeat(consumer)
-        return offsets
+        await self._heartbeat()
 
-    async def _checkpoint(self, meta: dict) -> None:
-        await self._blocking(self.runner.step, pack_step([], checkpoint=True, meta=meta))
+    def _count(self, batch: dict[str, list[Decoded]]) -> None:
+        for item in (d for items in batch.values() for d in items):
+            self._note_prompt(item.value)
+        for item in batch["trained"]:
+            self.lags[item.value.lag(self.learner.policy_version)] += 1
+        self.counts["trainer/groups_trained"] += len(batch["trained"])
+        self.counts["trainer/dropped_stale"] += len(batch["dropped"])
+        self.counts["trainer/filtered_groups"] += len(batch["filtered"])
 
-    async def _next_offsets(self, consumer, offsets: dict[TopicPartition, int]
-                            ) -> dict[TopicPartition, int]:
+    def _meta(self) -> dict:
+        """What a checkpoint of this step records besides the learner's state."""
+        return {"step": self.step, "generation": self.runner.fence.generation,
+                "offsets": {f"{tp.topic}:{tp.partition}": o for tp, o in self.positions.items()},
+                "counts": dict(self.counts),
+                "lags": {str(lag): count for lag, count in self.lags.items()}}
+
+    def _next_offsets(self) -> dict[TopicPartition, int]:
         """Per partition: the first offset not yet trained, dropped or dead-lettered."""
-        waiting: dict[TopicPartition, int] = {}
-        for item in self.buffer:
-            waiting.setdefault(item.record.tp, item.record.offset)
-        updated = dict(offsets)
-        for tp in consumer.assignment():
-            updated[tp] = waiting.get(tp, await consumer.position(tp))
-        return updated
+        tps = set(self.positions) | self.consumer.assignment()
+        return {tp: offset for tp in tps if (offset := self._position(tp)) is not None}
 
     async def _announce(self, record: WeightVersion) -> None:
+        self.runner.fence.check()
         await self.bus.publish(self._topic("control"), encode(record), key=b"weights")
 
-    async def _finish(self, consumer, offsets: dict[TopicPartition, int]) -> None:
+    async def _finish(self) -> None:
         if self.step and (not self.config.checkpoint_every or
                           self.step % self.config.checkpoint_every):
-            offsets = await self._next_offsets(consumer, offsets)
-            await self._checkpoint({"step": self.step, "offsets": {
-                f"{tp.topic}:{tp.partition}": o for tp, o in offsets.items()}})
-        await self._commit(consumer, offsets)
+            self.positions = self._next_offsets()
+            self.runner.fence.check()
+            await self._blocking(self.runner.step, pack_step([], checkpoint=True,
+                                                             meta=self._meta()))
+        await self._commit()
 
-    @staticmethod
-    async def _commit(consumer, offsets: dict[TopicPartition, int]) -> None:
-        """Commit `offsets` (those of the newest checkpoint) for the partitions still assigned."""
-        mine = {tp: o for tp, o in offsets.items() if tp in consumer.assignment()}
-        if mine:
-            await consumer.commit(mine)
+    async def _commit(self) -> None:
+        """Commit `positions` (those of the newest checkpoint) for the partitions still assigned;
+        for monitoring only, so a commit refused after a rebalance is logged, not fatal."""
+        mine = {tp: o for tp, o in self.positions.items() if tp in self.consumer.assignment()}
+        if not mine:
+            return
+        try:
+            await self.consumer.commit(mine)
+        except BusError as err:
+            log.warning("offsets not committed (monitoring only; the checkpoint has them): %s",
+                        err)
 
     # -- reporting ----------------------------------------------------------------------------
 
-    def _write_ledger(self, groups: list[Decoded], skipped: dict[str, list[Decoded]]) -> None:
+    def _write_ledger(self, batch: dict[str, list[Decoded]]) -> None:
         entry = {"step": self.step, "policy_version": self.learner.policy_version,
-                 "trained": [g.value.group_id for g in groups],
-                 **{kind: [g.value.group_id for g in items] for kind, items in skipped.items()}}
+                 "generation": self.runner.fence.generation,
+                 **{kind: [g.value.group_id for g in items] for kind, items in batch.items()}}
         with open(self.out_dir / "ledger.jsonl", "a") as f:
             f.write(json.dumps(entry) + "\n")
 
@@ -344,13 +426,15 @@ class TrainerLoop:
             f.write(json.dumps(line) + "\n")
         self.progress.update(line)
 
-    async def _heartbeat(self, consumer) -> None:
-        positions = [await consumer.position(tp) for tp in consumer.assignment()]
-        consumed = sum(positions) - len(self.buffer)
+    async def _heartbeat(self) -> None:
+        tps = set(self.positions) | self.consumer.assignment()
+        # records taken off the buffer count as consumed (admission: producers must not wait
+        # on groups the step being collected has already judged)
+        consumed = sum(self._read_to(tp) or 0 for tp in tps) - len(self.buffer)
         extra = {"consumed": consumed, "step": self.step, **self.counts,
                  **{f"lag/{lag}": count for lag, count in self.lags.items()}}  # running totals
         beat = Heartbeat(producer_id=f"trainer-{self.config.run}", role="trainer",
                          engine="fsdp2", policy_version=self.learner.policy_version,
-                         extra=extra, created_at=time.time())
+                         trainer_generation=self.runner.fence.generation, extra=extra, created_at=time.time())
         await self.bus.publish(self._topic("status"), encode(beat), key=b"trainer")
 

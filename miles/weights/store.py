@@ -45,7 +45,8 @@ def version_dir(store: Path, policy_version: int) -> Path:
 
 
 def write_version(store: Path, *, policy_version: int, step: int, base_model: str,
-                  write: Callable[[Path], None], fmt: str = "lora") -> WeightVersion:
+                  write: Callable[[Path], None], fmt: str = "lora",
+                  trainer_generation: int = 0) -> WeightVersion:
     """Run `write(folder)` into a fresh folder, move it into place, describe it as a record."""
     if fmt not in WEIGHTS_FILES:
         raise WeightsError(f"weight format must be one of {sorted(WEIGHTS_FILES)}, got {fmt!r}")
@@ -62,7 +63,8 @@ def write_version(store: Path, *, policy_version: int, step: int, base_model: st
     path = final / name
     return WeightVersion(policy_version=policy_version, step=step, uri=path.resolve().as_uri(),
                          format=fmt, sha256=file_sha256(path), bytes=path.stat().st_size,
-                         base_model=base_model, created_at=time.time())
+                         base_model=base_model, trainer_generation=trainer_generation,
+                         created_at=time.time())
 
 
 def prune_versions(store: Path, keep: int) -> list[Path]:
@@ -77,6 +79,20 @@ def prune_versions(store: Path, keep: int) -> list[Path]:
     for path in old:
         shutil.rmtree(path, ignore_errors=True)
     return old
+
+
+def discard_versions_after(store: Path, policy_version: int) -> list[Path]:
+    """Delete the versions newer than `policy_version`: after a resume from an older checkpoint
+    they belong to a lineage no trainer continues (the resumed one writes its own)."""
+    newer = [p for p in _versions(store) if int(p.name[1:]) > policy_version]
+    for path in newer:
+        shutil.rmtree(path, ignore_errors=True)
+    return newer
+
+
+def _versions(store: Path) -> list[Path]:
+    """The complete version folders of `store`, oldest first."""
+    return sorted(p for p in Path(store).glob("v*") if p.is_dir() and p.name[1:].isdigit())
 
 
 def fetch_version(version: WeightVersion) -> Path:

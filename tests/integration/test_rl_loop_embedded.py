@@ -134,11 +134,12 @@ async def test_the_trainer_commits_its_offsets_at_every_checkpoint(model_dir, tm
     commits = []
     commit = TrainerLoop._commit
 
-    async def spy(consumer, offsets):
-        commits.append(sum(o for tp, o in offsets.items() if tp in consumer.assignment()))
-        await commit(consumer, offsets)
+    async def spy(self):
+        commits.append(sum(o for tp, o in self.positions.items()
+                           if tp in self.consumer.assignment()))
+        await commit(self)
 
-    monkeypatch.setattr(TrainerLoop, "_commit", staticmethod(spy))
+    monkeypatch.setattr(TrainerLoop, "_commit", spy)
     await run_loop(model_dir, tmp_path, max_staleness=1)
     assert len(commits) == 3 and 0 < commits[0] <= commits[1] == commits[2]
     assert commits[0] >= 2 * PER_STEP  # two steps' groups were behind the first checkpoint
