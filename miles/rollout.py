@@ -9,10 +9,12 @@ Three loops share one engine:
   has a unique id). A batch the engine fails on (`EngineError`) is rewound and retried after
   `ENGINE_RETRY_S`, counted and reported in a heartbeat.
 - control: read the control topic from its start, catch up, then load the newest `WeightVersion`
-  after checking its sha256; obey pause/resume/drain/stop `Command`s. A version that fails to
-  load is reported and skipped: the worker keeps generating with the weights it has.
+  after checking its sha256; obey pause/resume/drain/stop `Command`s. The versions followed are
+  the newest trainer generation's (`miles.weights.following`): a resumed trainer's are loaded
+  even when lower, a fenced trainer's refused. A version that fails to load is reported and
+  skipped: the worker keeps generating with the weights it has.
 - status: read trainer heartbeats (its policy version and how many trajectory records it has
-  consumed) and publish this producer's heartbeat.
+  consumed; a fenced generation's are ignored) and publish this producer's heartbeat.
 
 Admission control: a group generated now with loaded version L is trained roughly when the
 trainer has consumed everything already published, i.e. at version
@@ -24,6 +26,7 @@ The trainer still enforces the bound (several producers can race), this only kee
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import statistics
 import time
@@ -43,6 +46,7 @@ from miles.protocol.topics import topic_name
 from miles.rl.sampling import SamplingParams
 from miles.service import wait_or_stop
 from miles.tasks.rewards import Scored, Scorer
+from miles.weights.following import Announcements, lineage
 from miles.weights.store import fetch_version
 
 log = logging.getLogger(__name__)
@@ -74,8 +78,21 @@ class RolloutConfig:
 class TrainerView:
     """What this producer knows of the trainer."""
 
-    policy_version: int = 0  # newest version announced or reported
+    policy_version: int = 0  # newest version announced or reported by the newest generation
     consumed: int = 0  # trajectory records the trainer has consumed (its positions summed)
+    generation: int = 0  # the newest trainer generation seen; older ones are fenced
+
+    def follow(self, generation: int, policy_version: int) -> bool:
+        """Take a policy version announced or reported by trainer `generation`: False (ignored)
+        from an older generation; a newer one replaces the view (a resumed trainer may be
+        behind); within one generation the version only grows."""
+        if generation < self.generation:
+            return False
+        if generation > self.generation:
+            self.generation, self.policy_version = generation, policy_version
+        else:
+            self.policy_version = max(self.policy_version, policy_version)
+        return True
 
 
 def admitted(*, loaded_version: int, trainer: TrainerView, in_flight: int, batch: int,
@@ -106,8 +123,9 @@ class RolloutWorker:
                                          "producer/load_s": 0.0, "producer/engine_errors": 0,
                                          "producer/weight_loads": 0, "producer/weight_errors": 0}
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
-        self._newest: WeightVersion | None = None  # the version to load next
-        self._announced = 0  # the highest version announced on the control topic
+        self.announced = Announcements()  # the versions this producer may load
+        self._loaded = (0, 0)  # lineage (generation, policy version) of the engine's weights
+        self._failed: set[tuple[int, int]] = set()  # lineages that failed since the last load
         self.load_latencies: deque[float] = deque(maxlen=1000)  # announce -> in use, seconds
         self._sequence = 0
         self._in_flight = 0
@@ -248,8 +266,9 @@ class RolloutWorker:
             while not stop.is_set():
                 for item in await control.poll(timeout_s=0.2):
                     await self._on_control(item.value, stop, drain)
-                if self._newest is not None:  # newer than the engine's (`_on_version`)
-                    await self._load(self._newest)
+                newer = self.announced.newer_than(self._loaded)
+                if newer and lineage(newer[0]) not in self._failed:
+                    await self._load(newer[0])
 
     async def _on_control(self, value, stop: asyncio.Event, drain: asyncio.Event) -> None:
         if isinstance(value, WeightVersion):
@@ -266,16 +285,17 @@ class RolloutWorker:
             stop.set()
 
     async def _on_version(self, value: WeightVersion) -> None:
-        """Note an announced version; the control loop loads the newest. The same version
-        again is a re-announcement (a restarted trainer); an older one is rejected."""
-        if value.policy_version < self._announced:
-            await self._reject(value, f"announced after version {self._announced} (versions "
-                                      "only go forward)")
+        """Note an announced version; the control loop loads the newest (`Announcements` says
+        which versions are followed: the newest trainer generation's, going forward)."""
+        why = self.announced.refusal(value)
+        if why is None and self.config.base_model and value.base_model != self.config.base_model:
+            why = (f"made for base model {value.base_model!r}, this producer serves "
+                   f"{self.config.base_model!r}")
+        if why is not None:
+            await self._reject(value, why)
             return
-        self._announced = value.policy_version
-        if value.policy_version > self.engine.policy_version:
-            self._newest = value
-        self.trainer.policy_version = max(self.trainer.policy_version, value.policy_version)
+        self.announced.add(value)
+        self.trainer.follow(value.trainer_generation, value.policy_version)
 
     async def _reject(self, version: WeightVersion, why: str) -> None:
         """Count, log and report (status event) a version this producer does not load; it
@@ -286,21 +306,20 @@ class RolloutWorker:
         await self._heartbeat(error=f"version {version.policy_version}: {why}")
 
     async def _load(self, version: WeightVersion) -> None:
-        self._newest = None  # whatever happens, the same version is not tried again in a loop
-        expected = self.config.base_model
-        if expected and version.base_model != expected:
-            await self._reject(version, f"made for base model {version.base_model!r}, this "
-                                        f"producer serves {expected!r}")
-            return
+        self._failed.add(lineage(version))  # not tried again in a loop; cleared by a success
+        new_lineage = version.trainer_generation > self._loaded[0]  # may go back in number
         began = time.perf_counter()
         try:
             folder = await asyncio.to_thread(fetch_version, version)  # generation goes on
             fetch_s = time.perf_counter() - began
-            apply_s = await self._in_engine(timed, self.engine.load_version, folder,
-                                            version.policy_version, version.format)
+            apply_s = await self._in_engine(
+                timed, functools.partial(self.engine.load_version, new_lineage=new_lineage),
+                folder, version.policy_version, version.format)
         except MilesError as err:
             await self._reject(version, str(err))
             return
+        self._loaded = lineage(version)
+        self._failed.clear()
         self.counts["producer/load_s"] += fetch_s + apply_s  # not the wait behind a generate
         self.load_latencies.append(max(time.time() - version.created_at, 0.0))
         self.counts["producer/weight_loads"] += 1
@@ -319,9 +338,13 @@ class RolloutWorker:
                 for item in await status.poll(timeout_s=0.2):
                     beat = item.value
                     if beat.role == "trainer":
-                        self.trainer.policy_version = max(self.trainer.policy_version,
-                                                          beat.policy_version)
-                        self.trainer.consumed = int(beat.extra.get("consumed", 0))
+                        self._on_trainer_beat(beat)
+
+    def _on_trainer_beat(self, beat: Heartbeat) -> None:
+        """A fenced trainer's heartbeat is ignored; a newer generation's resets the view."""
+        if self.trainer.follow(beat.trainer_generation, beat.policy_version):
+            self.announced.fence(beat.trainer_generation)
+            self.trainer.consumed = int(beat.extra.get("consumed", 0))
 
     async def _heartbeat_loop(self, stop: asyncio.Event) -> None:
         while not await wait_or_stop(stop, self.config.heartbeat_s):
