@@ -19,7 +19,11 @@ Three loops share one engine:
 Admission control: a group generated now with loaded version L is trained roughly when the
 trainer has consumed everything already published, i.e. at version
 `trainer_version + (in_flight + batch - 1) // groups_per_step`. The worker only takes a batch when
-that lag stays within `max_staleness`; otherwise it waits for the trainer or for a newer version.
+that lag stays within `max_staleness`; otherwise it waits for the trainer or for a newer version,
+and says so in its heartbeat (`waiting`: the version it needs, and which newer ones failed to
+load). A newest version that does not load (a missing file) falls back to the newest one that
+does, and failed versions are retried every `WEIGHT_RETRY_S`, so a lost file costs freshness,
+not the run; with no loadable version fresh enough, admission keeps waiting and reports it.
 The trainer still enforces the bound (several producers can race), this only keeps the waste low.
 """
 
@@ -52,6 +56,7 @@ from miles.weights.store import fetch_version
 log = logging.getLogger(__name__)
 ADMISSION_POLL_S = 0.02
 ENGINE_RETRY_S = 2.0  # pause before retrying a batch the engine failed on
+WEIGHT_RETRY_S = 10.0  # pause before retrying versions that failed to load (files reappear)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -95,11 +100,20 @@ class TrainerView:
         return True
 
 
+def required_version(*, trainer: TrainerView, in_flight: int, batch: int, groups_per_step: int,
+                     max_staleness: int) -> int:
+    """The lowest loaded version at which a batch generated now is still fresh enough when it
+    is trained."""
+    trained_at = trainer.policy_version + (max(in_flight, 0) + batch - 1) // groups_per_step
+    return trained_at - max_staleness
+
+
 def admitted(*, loaded_version: int, trainer: TrainerView, in_flight: int, batch: int,
              groups_per_step: int, max_staleness: int) -> bool:
     """Whether a batch generated now would still be fresh enough when it is trained."""
-    trained_at = trainer.policy_version + (max(in_flight, 0) + batch - 1) // groups_per_step
-    return trained_at - loaded_version <= max_staleness
+    return loaded_version >= required_version(
+        trainer=trainer, in_flight=in_flight, batch=batch, groups_per_step=groups_per_step,
+        max_staleness=max_staleness)
 
 
 def timed(fn, *args) -> float:
@@ -125,7 +139,9 @@ class RolloutWorker:
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
         self.announced = Announcements()  # the versions this producer may load
         self._loaded = (0, 0)  # lineage (generation, policy version) of the engine's weights
-        self._failed: set[tuple[int, int]] = set()  # lineages that failed since the last load
+        self._failed: set[tuple[int, int]] = set()  # lineages that failed to load
+        self._retry_at = 0.0  # monotonic time to retry the versions that failed
+        self.waiting: str | None = None  # what admission waits for (None: it admits)
         self.load_latencies: deque[float] = deque(maxlen=1000)  # announce -> in use, seconds
         self._sequence = 0
         self._in_flight = 0
@@ -193,14 +209,30 @@ class RolloutWorker:
             await wait_or_stop(stop, ADMISSION_POLL_S * 10)
             return False
         published = sum((await consumer.end_offsets(partitions)).values())
-        ok = admitted(loaded_version=self.engine.policy_version, trainer=self.trainer,
-                      in_flight=published - self.trainer.consumed,
-                      batch=self.config.prompts_per_batch,
-                      groups_per_step=self.config.groups_per_step,
-                      max_staleness=self.config.max_staleness)
-        if not ok:
+        needed = required_version(trainer=self.trainer, in_flight=published - self.trainer.consumed,
+                                  batch=self.config.prompts_per_batch,
+                                  groups_per_step=self.config.groups_per_step,
+                                  max_staleness=self.config.max_staleness)
+        self._wait_for(needed)
+        if self.waiting is not None:
             await wait_or_stop(stop, ADMISSION_POLL_S)
-        return ok
+        return self.waiting is None
+
+    def _wait_for(self, needed: int) -> None:
+        """Set `waiting` (reported in every heartbeat, logged when it changes): what admission
+        waits for, and which newer versions failed to load."""
+        loaded = self.engine.policy_version
+        waiting = None
+        if loaded < needed:
+            waiting = f"policy version >= {needed} (loaded {loaded})"
+            failed = [v.policy_version for v in self.announced.newer_than(self._loaded)
+                      if lineage(v) in self._failed]
+            if failed:
+                waiting += (f"; versions {', '.join(map(str, failed))} failed to load, retried "
+                            f"every {WEIGHT_RETRY_S:g} s")
+        if waiting != self.waiting and waiting is not None:
+            log.warning("admission waits for %s", waiting)
+        self.waiting = waiting
 
     async def _roll_out(self, tasks: list[PromptTask]) -> None:
         began = time.perf_counter()
@@ -266,9 +298,8 @@ class RolloutWorker:
             while not stop.is_set():
                 for item in await control.poll(timeout_s=0.2):
                     await self._on_control(item.value, stop, drain)
-                newer = self.announced.newer_than(self._loaded)
-                if newer and lineage(newer[0]) not in self._failed:
-                    await self._load(newer[0])
+                if self._load_due():
+                    await self._load_newest()
 
     async def _on_control(self, value, stop: asyncio.Event, drain: asyncio.Event) -> None:
         if isinstance(value, WeightVersion):
@@ -297,6 +328,25 @@ class RolloutWorker:
         self.announced.add(value)
         self.trainer.follow(value.trainer_generation, value.policy_version)
 
+    def _load_due(self) -> bool:
+        newer = self.announced.newer_than(self._loaded)
+        return (any(lineage(v) not in self._failed for v in newer)
+                or bool(newer) and time.monotonic() >= self._retry_at)
+
+    async def _load_newest(self) -> None:
+        """Load the newest followed version that loads, trying newer ones first (a missing or
+        broken file falls back to the one before). A version that failed is reported once
+        and retried every `WEIGHT_RETRY_S` (its file may reappear), never in a busy loop."""
+        retry = time.monotonic() >= self._retry_at
+        newer = self.announced.newer_than(self._loaded)
+        self._failed &= {lineage(v) for v in self.announced.recent}
+        for version in newer:
+            failed_before = lineage(version) in self._failed
+            if (retry or not failed_before) and await self._load(version,
+                                                                 report=not failed_before):
+                break
+        self._retry_at = time.monotonic() + WEIGHT_RETRY_S
+
     async def _reject(self, version: WeightVersion, why: str) -> None:
         """Count, log and report (status event) a version this producer does not load; it
         keeps generating with the weights it has."""
@@ -305,8 +355,8 @@ class RolloutWorker:
                   version.policy_version, why)
         await self._heartbeat(error=f"version {version.policy_version}: {why}")
 
-    async def _load(self, version: WeightVersion) -> None:
-        self._failed.add(lineage(version))  # not tried again in a loop; cleared by a success
+    async def _load(self, version: WeightVersion, *, report: bool = True) -> bool:
+        """Fetch, verify and apply `version`; a failure is rejected (reported) if `report`."""
         new_lineage = version.trainer_generation > self._loaded[0]  # may go back in number
         began = time.perf_counter()
         try:
@@ -316,14 +366,18 @@ class RolloutWorker:
                 timed, functools.partial(self.engine.load_version, new_lineage=new_lineage),
                 folder, version.policy_version, version.format)
         except MilesError as err:
-            await self._reject(version, str(err))
-            return
+            self._failed.add(lineage(version))
+            if report:
+                await self._reject(version, str(err))
+            else:
+                log.info("version %d still does not load: %s", version.policy_version, err)
+            return False
         self._loaded = lineage(version)
-        self._failed.clear()
         self.counts["producer/load_s"] += fetch_s + apply_s  # not the wait behind a generate
         self.load_latencies.append(max(time.time() - version.created_at, 0.0))
         self.counts["producer/weight_loads"] += 1
         log.info("loaded policy version %d", version.policy_version)
+        return True
 
     # -- status -------------------------------------------------------------------------------
 
@@ -363,6 +417,8 @@ class RolloutWorker:
                  "generate_s": round(self.counts["producer/generate_s"], 3),
                  "other_s": round(self.counts["producer/other_s"], 3),
                  "load_s": round(self.counts["producer/load_s"], 3)}
+        if self.waiting is not None:
+            extra["waiting"] = self.waiting
         if self.load_latencies:
             extra["load_latency_p50_s"] = round(self.load_latency_p50(), 4)
         if error:

@@ -10,16 +10,21 @@ from dataclasses import replace
 
 import pytest
 
+from miles import rollout
 from miles.bus import open_bus
 from miles.engines.base import LoraSettings
 from miles.engines.hf import HFEngine
+from miles.feeder import feed
 from miles.protocol import Heartbeat, decode, encode
 from miles.protocol.topics import run_topics, topic_name
+from miles.rl.sampling import SamplingParams
 from miles.rollout import RolloutConfig, RolloutWorker
+from miles.status import collect_status, format_status
+from miles.tasks.arithmetic import arithmetic_problems
 from miles.tasks.rewards import Scorer
 from miles.trainer import distributed
 from miles.trainer.learner import Learner
-from miles.weights.store import base_model_id, write_version
+from miles.weights.store import base_model_id, version_dir, write_version
 from tests.rewards import starts_with_digit
 
 LORA = LoraSettings(r=4, alpha=8)
@@ -54,7 +59,7 @@ async def started_worker(bus, run, model_dir, **settings):
     await bus.create_topics(run_topics(run, prompt_partitions=1, trajectory_partitions=1))
     engine = HFEngine(model_dir, lora=LORA)
     worker = RolloutWorker(bus, engine, Scorer(starts_with_digit), RolloutConfig(
-        run=run, heartbeat_s=60, base_model=base_model_id(model_dir), **settings))
+        run=run, base_model=base_model_id(model_dir), **{"heartbeat_s": 60, **settings}))
     stop = asyncio.Event()
     return engine, worker, stop, asyncio.create_task(worker.run(stop))
 
@@ -109,3 +114,49 @@ async def test_a_resumed_trainer_is_followed_and_a_fenced_one_ignored(model_dir,
     assert "fenced by generation 3" in errors[0]
     assert "versions only go forward" in errors[1]
     assert "fenced by generation 4" in errors[2]
+
+
+async def test_a_missing_newest_file_falls_back_and_admission_says_what_it_waits_for(
+        model_dir, versions, monkeypatch):
+    monkeypatch.setattr(rollout, "WEIGHT_RETRY_S", 0.3, raising=False)
+    store, records = versions
+    run = "fallback"
+    hidden = {v: version_dir(store, v).with_name(f"hidden-{v}") for v in (5, 6)}
+    for v, path in hidden.items():
+        version_dir(store, v).rename(path)
+    try:
+        async with open_bus("embedded://") as bus:
+            engine, worker, stop, running = await started_worker(
+                bus, run, model_dir, sampling=SamplingParams(n=1, max_new_tokens=2),
+                prompts_per_batch=2, max_staleness=1, heartbeat_s=0.1)
+            control = topic_name(run, "control")
+            try:
+                for v in range(1, 6):  # the newest, 5, has no file
+                    await bus.publish(control, encode(records[v]))
+                await feed(bus, run, arithmetic_problems("train")[:4], shuffle=False)
+                await wait_for(lambda: worker.counts["producer/groups"] == 4)
+                assert engine.policy_version == 4 and worker.counts["producer/weight_errors"] == 1
+                await bus.publish(control, encode(records[6]))  # needs >= 5: none loads
+                await wait_for(lambda: worker.counts["producer/weight_errors"] == 2)
+                await wait_for(lambda: worker.waiting is not None)
+                await feed(bus, run, arithmetic_problems("train")[4:6], shuffle=False)
+                await asyncio.sleep(1.0)  # several retries: reported once each, no groups
+                assert worker.counts["producer/weight_errors"] == 2
+                assert worker.counts["producer/groups"] == 4 and engine.policy_version == 4
+                blocked = format_status(await collect_status(bus, run))
+                hidden.pop(6).rename(version_dir(store, 6))  # the file reappears
+                await wait_for(lambda: engine.policy_version == 6)
+                await wait_for(lambda: worker.counts["producer/groups"] == 6)
+                assert worker.waiting is None
+            finally:
+                stop.set()
+                await asyncio.wait_for(running, 30)
+            async with bus.consumer([topic_name(run, "status")], group_id="audit") as audit:
+                beats = [decode(r.value, Heartbeat) for r in await audit.poll(timeout_s=1)]
+    finally:
+        for v, path in hidden.items():
+            path.rename(version_dir(store, v))
+    waits = {b.extra["waiting"] for b in beats if "waiting" in b.extra}
+    assert waits == {"policy version >= 5 (loaded 4); versions 6, 5 failed to load, retried "
+                     "every 0.3 s"}, waits
+    assert "producer-0: waiting for policy version >= 5 (loaded 4)" in blocked, blocked
