@@ -40,3 +40,9 @@ class WeightsError(MilesError):
 
 class EngineError(MilesError):
     """A rollout engine could not be built, could not generate, or rejected a weight load."""
+
+
+class CommitFailedError(BusError):
+    """A commit was refused because the consumer group's membership changed (a rebalance moved
+    the partitions, or this member was dropped from the group); the records are re-delivered
+    to whichever member now owns them."""

@@ -4,9 +4,13 @@ Three loops share one engine:
 - generation: take a batch of `PromptTask`s (the producers' consumer group shares them), sample
   `n` responses each in the engine's executor thread, score each group with one `Scorer` call
   (groups one after another: a reward model's call never waits, timer running, behind another),
-  publish one `TrajectoryGroup` per prompt, then commit the prompts. A producer killed before the
-  commit has its prompts re-delivered to another producer (at-least-once generation; each group
-  has a unique id). A batch the engine fails on (`EngineError`) is rewound and retried after
+  publish one `TrajectoryGroup` per prompt, then commit the prompts (`miles.bus.commits`). When
+  a rebalance or a graceful stop revokes partitions, the revocation waits for the batch in
+  flight and commits what is published, so graceful membership changes duplicate nothing. A
+  producer killed before its commit, or one whose commit the group refuses because membership
+  already changed (counted as `commit_failures`, never fatal), has those prompts re-delivered
+  to the partition's owner: they are generated twice (at-least-once; each group has a unique
+  id). A batch the engine fails on (`EngineError`) is rewound and retried after
   `ENGINE_RETRY_S`, counted and reported in a heartbeat.
 - control: read the control topic from its start, catch up, then load the newest `WeightVersion`
   after checking its sha256; obey pause/resume/drain/stop `Command`s. The versions followed are
@@ -41,6 +45,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from miles.bus import Bus, TopicPartition
+from miles.bus.commits import DoneOffsets
 from miles.bus.decoding import DecodingConsumer
 from miles.engines.base import Completion, RolloutEngine
 from miles.errors import ConfigError, EngineError, MilesError
@@ -138,6 +143,7 @@ class RolloutWorker:
                                          "producer/weight_loads": 0, "producer/weight_errors": 0}
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
         self.announced = Announcements()  # the versions this producer may load
+        self.commits = DoneOffsets()  # prompts whose groups are published, to commit
         self._loaded = (0, 0)  # lineage (generation, policy version) of the engine's weights
         self._failed: set[tuple[int, int]] = set()  # lineages that failed to load
         self._retry_at = 0.0  # monotonic time to retry the versions that failed
@@ -170,7 +176,10 @@ class RolloutWorker:
 
     async def _generation_loop(self, stop: asyncio.Event, drain: asyncio.Event) -> None:
         consumer = self.bus.consumer([self._topic("prompts")],
-                                     group_id=f"miles.{self.config.run}.producers")
+                                     group_id=f"miles.{self.config.run}.producers",
+                                     on_assigned=self.commits.on_assigned,
+                                     on_revoked=self.commits.on_revoked)
+        self.commits.consumer = consumer
         async with consumer:
             prompts = DecodingConsumer(self.bus, consumer, dlq_topic=self._topic("dlq"),
                                        expected=PromptTask)
@@ -180,13 +189,26 @@ class RolloutWorker:
                     continue
                 batch = await prompts.poll(max_records=self.config.prompts_per_batch,
                                            timeout_s=0.2)
-                if batch:
-                    try:
-                        await self._roll_out([d.value for d in batch])
-                    except EngineError as err:
-                        await self._retry_later(consumer, batch, err, stop)
-                        continue
-                    await consumer.commit()
+                if self.commits.revoking:  # these positions restart from the group's commit
+                    await wait_or_stop(stop, ADMISSION_POLL_S)
+                    continue
+                await self._batch(consumer, prompts, batch, stop)
+
+    async def _batch(self, consumer, prompts: DecodingConsumer, batch, stop: asyncio.Event) -> None:
+        """Generate and publish one polled batch, then commit it (`DoneOffsets`: a revocation
+        meanwhile waits for it; a commit refused after a rebalance is counted)."""
+        self.commits.begin()
+        try:
+            if batch:
+                await self._roll_out([d.value for d in batch])
+            self.commits.done(prompts.polled)
+        except EngineError as err:
+            self.commits.abandon()
+            await self._retry_later(consumer, batch, err, stop)
+            return
+        finally:
+            self.commits.abandon()  # a no-op after `done`; a crash must not block a revocation
+        await self.commits.commit()
 
     async def _retry_later(self, consumer, batch, err: EngineError, stop: asyncio.Event) -> None:
         """The engine failed on a batch (a server restart, a bad request): its prompts are not
@@ -413,6 +435,7 @@ class RolloutWorker:
         extra = {"groups": int(self.counts["producer/groups"]),
                  "tokens": int(self.counts["producer/tokens"]),
                  "weight_errors": int(self.counts["producer/weight_errors"]),
+                 "commit_failures": self.commits.failures,
                  "paused": self.paused,
                  "generate_s": round(self.counts["producer/generate_s"], 3),
                  "other_s": round(self.counts["producer/other_s"], 3),
