@@ -49,3 +49,9 @@ class CheckpointError(MilesError):
 class FencedError(MilesError):
     """A newer trainer generation took over this run's output folder; this trainer must stop
     without writing anything more."""
+
+
+class CommitFailedError(BusError):
+    """A commit was refused because the consumer group's membership changed (a rebalance moved
+    the partitions, or this member was dropped from the group); the records are re-delivered
+    to whichever member now owns them."""

@@ -4,26 +4,37 @@ Three loops share one engine:
 - generation: take a batch of `PromptTask`s (the producers' consumer group shares them), sample
   `n` responses each in the engine's executor thread, score each group with one `Scorer` call
   (groups one after another: a reward model's call never waits, timer running, behind another),
-  publish one `TrajectoryGroup` per prompt, then commit the prompts. A producer killed before the
-  commit has its prompts re-delivered to another producer (at-least-once generation; each group
-  has a unique id). A batch the engine fails on (`EngineError`) is rewound and retried after
+  publish one `TrajectoryGroup` per prompt, then commit the prompts (`miles.bus.commits`). When
+  a rebalance or a graceful stop revokes partitions, the revocation waits for the batch in
+  flight and commits what is published, so graceful membership changes duplicate nothing. A
+  producer killed before its commit, or one whose commit the group refuses because membership
+  already changed (counted as `commit_failures`, never fatal), has those prompts re-delivered
+  to the partition's owner: they are generated twice (at-least-once; each group has a unique
+  id). A batch the engine fails on (`EngineError`) is rewound and retried after
   `ENGINE_RETRY_S`, counted and reported in a heartbeat.
 - control: read the control topic from its start, catch up, then load the newest `WeightVersion`
-  after checking its sha256; obey pause/resume/drain/stop `Command`s. A version that fails to
-  load is reported and skipped: the worker keeps generating with the weights it has.
+  after checking its sha256; obey pause/resume/drain/stop `Command`s. The versions followed are
+  the newest trainer generation's (`miles.weights.following`): a resumed trainer's are loaded
+  even when lower, a fenced trainer's refused. A version that fails to load is reported and
+  skipped: the worker keeps generating with the weights it has.
 - status: read trainer heartbeats (its policy version and how many trajectory records it has
-  consumed) and publish this producer's heartbeat.
+  consumed; a fenced generation's are ignored) and publish this producer's heartbeat.
 
 Admission control: a group generated now with loaded version L is trained roughly when the
 trainer has consumed everything already published, i.e. at version
 `trainer_version + (in_flight + batch - 1) // groups_per_step`. The worker only takes a batch when
-that lag stays within `max_staleness`; otherwise it waits for the trainer or for a newer version.
+that lag stays within `max_staleness`; otherwise it waits for the trainer or for a newer version,
+and says so in its heartbeat (`waiting`: the version it needs, and which newer ones failed to
+load). A newest version that does not load (a missing file) falls back to the newest one that
+does, and failed versions are retried every `WEIGHT_RETRY_S`, so a lost file costs freshness,
+not the run; with no loadable version fresh enough, admission keeps waiting and reports it.
 The trainer still enforces the bound (several producers can race), this only keeps the waste low.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import statistics
 import time
@@ -34,6 +45,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from miles.bus import Bus, TopicPartition
+from miles.bus.commits import DoneOffsets
 from miles.bus.decoding import DecodingConsumer
 from miles.engines.base import Completion, RolloutEngine
 from miles.errors import ConfigError, EngineError, MilesError
@@ -43,11 +55,13 @@ from miles.protocol.topics import topic_name
 from miles.rl.sampling import SamplingParams
 from miles.service import wait_or_stop
 from miles.tasks.rewards import Scored, Scorer
+from miles.weights.following import Announcements, lineage
 from miles.weights.store import fetch_version
 
 log = logging.getLogger(__name__)
 ADMISSION_POLL_S = 0.02
 ENGINE_RETRY_S = 2.0  # pause before retrying a batch the engine failed on
+WEIGHT_RETRY_S = 10.0  # pause before retrying versions that failed to load (files reappear)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -74,15 +88,37 @@ class RolloutConfig:
 class TrainerView:
     """What this producer knows of the trainer."""
 
-    policy_version: int = 0  # newest version announced or reported
+    policy_version: int = 0  # newest version announced or reported by the newest generation
     consumed: int = 0  # trajectory records the trainer has consumed (its positions summed)
+    generation: int = 0  # the newest trainer generation seen; older ones are fenced
+
+    def follow(self, generation: int, policy_version: int) -> bool:
+        """Take a policy version announced or reported by trainer `generation`: False (ignored)
+        from an older generation; a newer one replaces the view (a resumed trainer may be
+        behind); within one generation the version only grows."""
+        if generation < self.generation:
+            return False
+        if generation > self.generation:
+            self.generation, self.policy_version = generation, policy_version
+        else:
+            self.policy_version = max(self.policy_version, policy_version)
+        return True
+
+
+def required_version(*, trainer: TrainerView, in_flight: int, batch: int, groups_per_step: int,
+                     max_staleness: int) -> int:
+    """The lowest loaded version at which a batch generated now is still fresh enough when it
+    is trained."""
+    trained_at = trainer.policy_version + (max(in_flight, 0) + batch - 1) // groups_per_step
+    return trained_at - max_staleness
 
 
 def admitted(*, loaded_version: int, trainer: TrainerView, in_flight: int, batch: int,
              groups_per_step: int, max_staleness: int) -> bool:
     """Whether a batch generated now would still be fresh enough when it is trained."""
-    trained_at = trainer.policy_version + (max(in_flight, 0) + batch - 1) // groups_per_step
-    return trained_at - loaded_version <= max_staleness
+    return loaded_version >= required_version(
+        trainer=trainer, in_flight=in_flight, batch=batch, groups_per_step=groups_per_step,
+        max_staleness=max_staleness)
 
 
 def timed(fn, *args) -> float:
@@ -106,8 +142,12 @@ class RolloutWorker:
                                          "producer/load_s": 0.0, "producer/engine_errors": 0,
                                          "producer/weight_loads": 0, "producer/weight_errors": 0}
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
-        self._newest: WeightVersion | None = None  # the version to load next
-        self._announced = 0  # the highest version announced on the control topic
+        self.announced = Announcements()  # the versions this producer may load
+        self.commits = DoneOffsets()  # prompts whose groups are published, to commit
+        self._loaded = (0, 0)  # lineage (generation, policy version) of the engine's weights
+        self._failed: set[tuple[int, int]] = set()  # lineages that failed to load
+        self._retry_at = 0.0  # monotonic time to retry the versions that failed
+        self.waiting: str | None = None  # what admission waits for (None: it admits)
         self.load_latencies: deque[float] = deque(maxlen=1000)  # announce -> in use, seconds
         self._sequence = 0
         self._in_flight = 0
@@ -136,7 +176,10 @@ class RolloutWorker:
 
     async def _generation_loop(self, stop: asyncio.Event, drain: asyncio.Event) -> None:
         consumer = self.bus.consumer([self._topic("prompts")],
-                                     group_id=f"miles.{self.config.run}.producers")
+                                     group_id=f"miles.{self.config.run}.producers",
+                                     on_assigned=self.commits.on_assigned,
+                                     on_revoked=self.commits.on_revoked)
+        self.commits.consumer = consumer
         async with consumer:
             prompts = DecodingConsumer(self.bus, consumer, dlq_topic=self._topic("dlq"),
                                        expected=PromptTask)
@@ -146,13 +189,26 @@ class RolloutWorker:
                     continue
                 batch = await prompts.poll(max_records=self.config.prompts_per_batch,
                                            timeout_s=0.2)
-                if batch:
-                    try:
-                        await self._roll_out([d.value for d in batch])
-                    except EngineError as err:
-                        await self._retry_later(consumer, batch, err, stop)
-                        continue
-                    await consumer.commit()
+                if self.commits.revoking:  # these positions restart from the group's commit
+                    await wait_or_stop(stop, ADMISSION_POLL_S)
+                    continue
+                await self._batch(consumer, prompts, batch, stop)
+
+    async def _batch(self, consumer, prompts: DecodingConsumer, batch, stop: asyncio.Event) -> None:
+        """Generate and publish one polled batch, then commit it (`DoneOffsets`: a revocation
+        meanwhile waits for it; a commit refused after a rebalance is counted)."""
+        self.commits.begin()
+        try:
+            if batch:
+                await self._roll_out([d.value for d in batch])
+            self.commits.done(prompts.polled)
+        except EngineError as err:
+            self.commits.abandon()
+            await self._retry_later(consumer, batch, err, stop)
+            return
+        finally:
+            self.commits.abandon()  # a no-op after `done`; a crash must not block a revocation
+        await self.commits.commit()
 
     async def _retry_later(self, consumer, batch, err: EngineError, stop: asyncio.Event) -> None:
         """The engine failed on a batch (a server restart, a bad request): its prompts are not
@@ -175,14 +231,30 @@ class RolloutWorker:
             await wait_or_stop(stop, ADMISSION_POLL_S * 10)
             return False
         published = sum((await consumer.end_offsets(partitions)).values())
-        ok = admitted(loaded_version=self.engine.policy_version, trainer=self.trainer,
-                      in_flight=published - self.trainer.consumed,
-                      batch=self.config.prompts_per_batch,
-                      groups_per_step=self.config.groups_per_step,
-                      max_staleness=self.config.max_staleness)
-        if not ok:
+        needed = required_version(trainer=self.trainer, in_flight=published - self.trainer.consumed,
+                                  batch=self.config.prompts_per_batch,
+                                  groups_per_step=self.config.groups_per_step,
+                                  max_staleness=self.config.max_staleness)
+        self._wait_for(needed)
+        if self.waiting is not None:
             await wait_or_stop(stop, ADMISSION_POLL_S)
-        return ok
+        return self.waiting is None
+
+    def _wait_for(self, needed: int) -> None:
+        """Set `waiting` (reported in every heartbeat, logged when it changes): what admission
+        waits for, and which newer versions failed to load."""
+        loaded = self.engine.policy_version
+        waiting = None
+        if loaded < needed:
+            waiting = f"policy version >= {needed} (loaded {loaded})"
+            failed = [v.policy_version for v in self.announced.newer_than(self._loaded)
+                      if lineage(v) in self._failed]
+            if failed:
+                waiting += (f"; versions {', '.join(map(str, failed))} failed to load, retried "
+                            f"every {WEIGHT_RETRY_S:g} s")
+        if waiting != self.waiting and waiting is not None:
+            log.warning("admission waits for %s", waiting)
+        self.waiting = waiting
 
     async def _roll_out(self, tasks: list[PromptTask]) -> None:
         began = time.perf_counter()
@@ -248,8 +320,8 @@ class RolloutWorker:
             while not stop.is_set():
                 for item in await control.poll(timeout_s=0.2):
                     await self._on_control(item.value, stop, drain)
-                if self._newest is not None:  # newer than the engine's (`_on_version`)
-                    await self._load(self._newest)
+                if self._load_due():
+                    await self._load_newest()
 
     async def _on_control(self, value, stop: asyncio.Event, drain: asyncio.Event) -> None:
         if isinstance(value, WeightVersion):
@@ -266,16 +338,36 @@ class RolloutWorker:
             stop.set()
 
     async def _on_version(self, value: WeightVersion) -> None:
-        """Note an announced version; the control loop loads the newest. The same version
-        again is a re-announcement (a restarted trainer); an older one is rejected."""
-        if value.policy_version < self._announced:
-            await self._reject(value, f"announced after version {self._announced} (versions "
-                                      "only go forward)")
+        """Note an announced version; the control loop loads the newest (`Announcements` says
+        which versions are followed: the newest trainer generation's, going forward)."""
+        why = self.announced.refusal(value)
+        if why is None and self.config.base_model and value.base_model != self.config.base_model:
+            why = (f"made for base model {value.base_model!r}, this producer serves "
+                   f"{self.config.base_model!r}")
+        if why is not None:
+            await self._reject(value, why)
             return
-        self._announced = value.policy_version
-        if value.policy_version > self.engine.policy_version:
-            self._newest = value
-        self.trainer.policy_version = max(self.trainer.policy_version, value.policy_version)
+        self.announced.add(value)
+        self.trainer.follow(value.trainer_generation, value.policy_version)
+
+    def _load_due(self) -> bool:
+        newer = self.announced.newer_than(self._loaded)
+        return (any(lineage(v) not in self._failed for v in newer)
+                or bool(newer) and time.monotonic() >= self._retry_at)
+
+    async def _load_newest(self) -> None:
+        """Load the newest followed version that loads, trying newer ones first (a missing or
+        broken file falls back to the one before). A version that failed is reported once
+        and retried every `WEIGHT_RETRY_S` (its file may reappear), never in a busy loop."""
+        retry = time.monotonic() >= self._retry_at
+        newer = self.announced.newer_than(self._loaded)
+        self._failed &= {lineage(v) for v in self.announced.recent}
+        for version in newer:
+            failed_before = lineage(version) in self._failed
+            if (retry or not failed_before) and await self._load(version,
+                                                                 report=not failed_before):
+                break
+        self._retry_at = time.monotonic() + WEIGHT_RETRY_S
 
     async def _reject(self, version: WeightVersion, why: str) -> None:
         """Count, log and report (status event) a version this producer does not load; it
@@ -285,26 +377,29 @@ class RolloutWorker:
                   version.policy_version, why)
         await self._heartbeat(error=f"version {version.policy_version}: {why}")
 
-    async def _load(self, version: WeightVersion) -> None:
-        self._newest = None  # whatever happens, the same version is not tried again in a loop
-        expected = self.config.base_model
-        if expected and version.base_model != expected:
-            await self._reject(version, f"made for base model {version.base_model!r}, this "
-                                        f"producer serves {expected!r}")
-            return
+    async def _load(self, version: WeightVersion, *, report: bool = True) -> bool:
+        """Fetch, verify and apply `version`; a failure is rejected (reported) if `report`."""
+        new_lineage = version.trainer_generation > self._loaded[0]  # may go back in number
         began = time.perf_counter()
         try:
             folder = await asyncio.to_thread(fetch_version, version)  # generation goes on
             fetch_s = time.perf_counter() - began
-            apply_s = await self._in_engine(timed, self.engine.load_version, folder,
-                                            version.policy_version, version.format)
+            apply_s = await self._in_engine(
+                timed, functools.partial(self.engine.load_version, new_lineage=new_lineage),
+                folder, version.policy_version, version.format)
         except MilesError as err:
-            await self._reject(version, str(err))
-            return
+            self._failed.add(lineage(version))
+            if report:
+                await self._reject(version, str(err))
+            else:
+                log.info("version %d still does not load: %s", version.policy_version, err)
+            return False
+        self._loaded = lineage(version)
         self.counts["producer/load_s"] += fetch_s + apply_s  # not the wait behind a generate
         self.load_latencies.append(max(time.time() - version.created_at, 0.0))
         self.counts["producer/weight_loads"] += 1
         log.info("loaded policy version %d", version.policy_version)
+        return True
 
     # -- status -------------------------------------------------------------------------------
 
@@ -319,9 +414,13 @@ class RolloutWorker:
                 for item in await status.poll(timeout_s=0.2):
                     beat = item.value
                     if beat.role == "trainer":
-                        self.trainer.policy_version = max(self.trainer.policy_version,
-                                                          beat.policy_version)
-                        self.trainer.consumed = int(beat.extra.get("consumed", 0))
+                        self._on_trainer_beat(beat)
+
+    def _on_trainer_beat(self, beat: Heartbeat) -> None:
+        """A fenced trainer's heartbeat is ignored; a newer generation's resets the view."""
+        if self.trainer.follow(beat.trainer_generation, beat.policy_version):
+            self.announced.fence(beat.trainer_generation)
+            self.trainer.consumed = int(beat.extra.get("consumed", 0))
 
     async def _heartbeat_loop(self, stop: asyncio.Event) -> None:
         while not await wait_or_stop(stop, self.config.heartbeat_s):
@@ -336,10 +435,13 @@ class RolloutWorker:
         extra = {"groups": int(self.counts["producer/groups"]),
                  "tokens": int(self.counts["producer/tokens"]),
                  "weight_errors": int(self.counts["producer/weight_errors"]),
+                 "commit_failures": self.commits.failures,
                  "paused": self.paused,
                  "generate_s": round(self.counts["producer/generate_s"], 3),
                  "other_s": round(self.counts["producer/other_s"], 3),
                  "load_s": round(self.counts["producer/load_s"], 3)}
+        if self.waiting is not None:
+            extra["waiting"] = self.waiting
         if self.load_latencies:
             extra["load_latency_p50_s"] = round(self.load_latency_p50(), 4)
         if error:

@@ -1,7 +1,7 @@
 """`status`: a run at a glance, from its status topic and the offsets of its topics.
 
 What it reports: each producer (engine, loaded policy version, in-flight groups, throughput,
-paused, last error) and the trainer (policy version, step, step rate, backlog, stale drops, lag
+paused, last error, what its admission waits for) and the trainer (policy version, step, step rate, backlog, stale drops, lag
 histogram of the groups it trained), from the heartbeats of the last `window_s` seconds; the lag
 of every consumer group that committed on the run's topics; the records each topic holds,
 the DLQ's among them.
@@ -99,6 +99,8 @@ def producer_status(beats: list[Heartbeat], now: float, stale_s: float) -> dict:
             "groups_per_s": rate(since, "groups"), "groups": count(last, "groups"),
             "paused": last.extra.get("paused") is True, "weight_errors":
             count(last, "weight_errors"), "last_error": errors[-1] if errors else None,
+            "waiting": last.extra.get("waiting") if isinstance(last.extra.get("waiting"), str)
+            else None,
             **liveness(beats, now, stale_s)}
 
 
@@ -202,6 +204,7 @@ def format_status(status: dict) -> str:
         lines.extend(_table(PRODUCER_COLUMNS, [_producer_row(p) for p in producers]))
     lines.extend(f"  {p['id']}: last error: {p['last_error']}"
                  for p in producers if p["last_error"])
+    lines.extend(f"  {p['id']}: waiting for {p['waiting']}" for p in producers if p["waiting"])
     lines.extend(_trainer_lines(status["trainer"]))
     lines.append("consumer lag (end - committed offset):")
     for group, topics in status["consumer_lag"].items():

@@ -38,12 +38,16 @@ class DecodingConsumer:
         self.expected = expected
         self.counts: Counter[str] = Counter()
         self.dlq_reasons: Counter[str] = Counter()
-        self.next_offsets: dict[TopicPartition, int] = {}  # past the last record polled
+        self.polled: dict[TopicPartition, int] = {}  # next offsets after the last poll's records
 
     async def poll(self, max_records: int = 500, timeout_s: float = 1.0) -> list[Decoded]:
+        """The records of one poll that decoded; `polled` says where the poll ended (dead
+        letters included), i.e. what to commit once the decoded ones are handled."""
         decoded = []
-        for record in await self.consumer.poll(max_records=max_records, timeout_s=timeout_s):
-            self.next_offsets[record.tp] = record.offset + 1
+        records = await self.consumer.poll(max_records=max_records, timeout_s=timeout_s)
+        self.polled = {}
+        for record in records:
+            self.polled[record.tp] = max(self.polled.get(record.tp, 0), record.offset + 1)
             self.counts["bus/records"] += 1
             self.counts["bus/bytes"] += len(record.value)
             try:

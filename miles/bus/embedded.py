@@ -4,7 +4,8 @@ Simplifications, chosen because one process on one event loop is the only user:
 - records live in memory for the life of the bus (no retention, no persistence);
 - a group rebalances eagerly and at once when a member starts or closes: every member's
   partitions are revoked (its `on_revoked` awaited), then the new assignment is handed out
-  (contiguous ranges of each topic's partitions over the members sorted by join order);
+  (contiguous ranges of each topic's partitions over the members sorted by join order); a
+  commit of a partition not assigned (any more) raises `CommitFailedError`, as on Kafka;
 - keyed records go to `crc32(key) % partitions` (Kafka uses murmur2; both keep one key on one
   partition), unkeyed ones round-robin.
 """
@@ -19,7 +20,7 @@ from collections.abc import Awaitable, Iterable, Mapping, Sequence
 
 from miles.bus.base import (Bus, Consumer, Delivery, Headers, RebalanceCallback, Record,
                             TopicInfo, TopicPartition, check_record_size)
-from miles.errors import BusError
+from miles.errors import BusError, CommitFailedError
 from miles.protocol.topics import TopicSpec
 
 
@@ -169,9 +170,10 @@ class EmbeddedConsumer(Consumer):
         await self.bus._group(self.group_id).rebalance(joining=self)
 
     async def close(self) -> None:
+        """Leave the group; `on_revoked` runs first and may still commit."""
         if self._started:
-            self._started = False
             await self.bus._group(self.group_id).rebalance(leaving=self)
+            self._started = False
 
     async def _revoke_all(self) -> None:
         revoked = set(self._positions)
@@ -226,7 +228,7 @@ class EmbeddedConsumer(Consumer):
         offsets = dict(self._positions) if offsets is None else dict(offsets)
         for tp, offset in offsets.items():
             if tp not in self._positions:
-                raise BusError(f"cannot commit {tp}: not assigned to this consumer")
+                raise CommitFailedError(f"cannot commit {tp}: not assigned to this consumer")
             if offset < 0:
                 raise BusError(f"cannot commit negative offset {offset} for {tp}")
         self.bus._group(self.group_id).committed.update(offsets)

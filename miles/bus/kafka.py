@@ -3,7 +3,8 @@
 Producer: idempotent, `acks=all`, zstd, a 5 ms linger and 4 MiB batches (the Python client, not
 the broker, limits throughput, so records are batched hard). Consumer: manual commits only,
 earliest reset by default, fetch sizes from `miles.protocol.topics` so no record the topic
-accepts can stall it. Every aiokafka exception is wrapped in `BusError` here.
+accepts can stall it. Every aiokafka exception is wrapped in `BusError` here; a commit refused
+because the group's membership changed raises its subclass `CommitFailedError`.
 
 aiokafka's admin client does not raise per-topic errors from CreateTopics; they are read from the
 response and reported (an existing topic is not an error).
@@ -25,11 +26,13 @@ from aiokafka import TopicPartition as KafkaTopicPartition
 from aiokafka.abc import ConsumerRebalanceListener
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from aiokafka.admin.config_resource import ConfigResource, ConfigResourceType
-from aiokafka.errors import KafkaError
+from aiokafka.errors import (CommitFailedError as KafkaCommitFailedError, IllegalGenerationError,
+                             IllegalStateError, KafkaError, RebalanceInProgressError,
+                             UnknownMemberIdError)
 
 from miles.bus.base import (Bus, Consumer, Delivery, Headers, RebalanceCallback, Record,
                             TopicInfo, TopicPartition, check_record_size)
-from miles.errors import BusError
+from miles.errors import BusError, CommitFailedError
 from miles.protocol.topics import (CONSUMER_FETCH_MAX_BYTES, CONSUMER_MAX_PARTITION_FETCH_BYTES,
                                    PRODUCER_MAX_REQUEST_BYTES, TopicSpec)
 
@@ -39,6 +42,10 @@ MAX_BATCH_BYTES = 4 * 1024 * 1024  # one request in flight per broker: fewer, bi
 REQUEST_TIMEOUT_MS = 40_000
 TOPIC_LOOKUP_TIMEOUT_S = 15.0
 TOPIC_ALREADY_EXISTS = 36
+# Commit errors that mean the group's membership changed (IllegalStateError: the partition is
+# no longer assigned to this member): raised as `CommitFailedError`.
+MEMBERSHIP_ERRORS = (KafkaCommitFailedError, IllegalGenerationError, RebalanceInProgressError,
+                     UnknownMemberIdError, IllegalStateError)
 
 
 def parse_bootstrap(url: str) -> str:
@@ -297,8 +304,13 @@ class KafkaConsumer(Consumer):
     async def commit(self, offsets: Mapping[TopicPartition, int] | None = None) -> None:
         kafka_offsets = None if offsets is None else {
             _kafka_tp(tp): offset for tp, offset in offsets.items()}
-        with _wrapped("committing offsets"):
-            await self._consumer.commit(kafka_offsets)
+        try:
+            with _wrapped("committing offsets"):
+                await self._consumer.commit(kafka_offsets)
+        except BusError as err:
+            if isinstance(err.__cause__, MEMBERSHIP_ERRORS):
+                raise CommitFailedError(str(err)) from err.__cause__
+            raise
 
     async def committed(self, tp: TopicPartition) -> int | None:
         with _wrapped("reading committed offset"):

@@ -107,20 +107,25 @@ class RolloutEngine(abc.ABC):
         """`params.n` completions for each prompt, in prompt order. Blocking."""
 
     @abc.abstractmethod
-    def load_adapter(self, adapter_dir: Path, policy_version: int) -> None:
+    def load_adapter(self, adapter_dir: Path, policy_version: int, *,
+                     new_lineage: bool = False) -> None:
         """Apply a peft-saved LoRA adapter (`adapter_model.safetensors` + `adapter_config.json`).
 
-        On any error the current weights and `policy_version` stay as they were. Blocking.
+        An engine may refuse a `policy_version` not above the loaded one, unless `new_lineage`
+        (a resumed trainer's version: the loaded weights belong to a fenced generation). On any
+        error the current weights and `policy_version` stay as they were. Blocking.
         """
 
     def load_full_weights(self, weights: Path, policy_version: int) -> None:
         """Replace all weights from a model directory or a single `.safetensors` file. Blocking."""
         raise NotImplementedError(f"engine {self.name!r} cannot load full weights")
 
-    def load_version(self, folder: Path, policy_version: int, fmt: str) -> None:
-        """Load a weight store folder written in format `fmt` ("lora" or "full"). Blocking."""
+    def load_version(self, folder: Path, policy_version: int, fmt: str, *,
+                     new_lineage: bool = False) -> None:
+        """Load a weight store folder written in format `fmt` ("lora" or "full"); `new_lineage`
+        as for `load_adapter`. Blocking."""
         if fmt == "lora":
-            self.load_adapter(folder, policy_version)
+            self.load_adapter(folder, policy_version, new_lineage=new_lineage)
         else:
             self.load_full_weights(folder, policy_version)
 

@@ -95,7 +95,8 @@ class HFEngine(TokenizedEngine):
             self.generate_seconds += time.perf_counter() - start
         return [completions[i * params.n:(i + 1) * params.n] for i in range(len(prompts))]
 
-    def load_adapter(self, adapter_dir: Path, policy_version: int) -> None:
+    def load_adapter(self, adapter_dir: Path, policy_version: int, *,
+                     new_lineage: bool = False) -> None:
         if self.lora is None:
             raise EngineError("this engine was built without LoRA; it cannot load an adapter")
         adapter_dir = Path(adapter_dir)

@@ -381,13 +381,14 @@ class VLLMEngine(TokenizedEngine):
         prompt = self.encode("Hello") or [self._eos_token_id]
         self.generate([prompt], SamplingParams(n=1, max_new_tokens=WARMUP_TOKENS))
 
-    def load_adapter(self, adapter_dir: Path, policy_version: int) -> None:
+    def load_adapter(self, adapter_dir: Path, policy_version: int, *,
+                     new_lineage: bool = False) -> None:
         if self.lora is None:
             raise EngineError("this engine was built without LoRA; it cannot load an adapter")
         adapter_dir = Path(adapter_dir).resolve()
         check_adapter(adapter_dir, self._max_lora_rank)
         with self._load_lock:
-            if policy_version <= self.policy_version:
+            if policy_version <= self.policy_version and not new_lineage:
                 raise EngineError(f"adapter version {policy_version} is not newer than the "
                                   f"loaded version {self.policy_version}")
             lora = self._vllm.LoRARequest(lora_name=adapter_name(ADAPTER_PREFIX, policy_version),

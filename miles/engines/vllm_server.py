@@ -28,8 +28,10 @@ Simplifications, chosen on purpose:
   parallel, with seed `seed + i * n`, so every sample has its own seed.
 - Generation and adapter switches share one lock, so every request names the adapter that serves
   it and `policy_version` is exact per response. The previous adapter is unloaded after a switch
-  (best effort, logged). Adapters named `<prefix>-v<N>` left by an earlier run are unloaded at
-  start-up, so producers sharing one server need distinct `adapter_prefix`es.
+  (best effort, logged); a resumed trainer's version with the number being served loads as
+  `<prefix>-v<N>-reload` (a taken name is refused). Adapters named `<prefix>-v<N>` left by an
+  earlier run are unloaded at start-up, so producers sharing one server need distinct
+  `adapter_prefix`es.
 - Full weights cannot be swapped through this API: `load_full_weights` raises.
 
 vLLM source read for the server side (vllm-project/vllm, path @ commit):
@@ -65,6 +67,7 @@ from miles.rl.sampling import SamplingParams
 log = logging.getLogger(__name__)
 
 ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
+RELOAD_SUFFIX = "-reload"  # a new lineage's adapter with the number being served: another name
 LORA_HINT = ("the server needs VLLM_ALLOW_RUNTIME_LORA_UPDATING=True and --enable-lora, and must "
              "read the adapter folder at the same path as the producer")
 
@@ -128,7 +131,7 @@ class VLLMServerEngine(TokenizedEngine):
         self.base_model = pick_base_model(cards, model)
         self._served = self.base_model  # the model name requests use: base or current adapter
         if lora:
-            stale = re.compile(rf"{re.escape(adapter_prefix)}-v\d+")
+            stale = re.compile(rf"{re.escape(adapter_prefix)}-v\d+({RELOAD_SUFFIX})?")
             for card in cards:
                 if stale.fullmatch(card["id"]):
                     self._unload(card["id"])
@@ -172,7 +175,8 @@ class VLLMServerEngine(TokenizedEngine):
                                         eos_token_id=self._eos_token_id, policy_version=version)
         return groups
 
-    def load_adapter(self, adapter_dir: Path, policy_version: int) -> None:
+    def load_adapter(self, adapter_dir: Path, policy_version: int, *,
+                     new_lineage: bool = False) -> None:
         if not self.lora:
             raise EngineError("this engine was built without LoRA; it cannot load an adapter")
         adapter_dir = Path(adapter_dir).resolve()
@@ -181,6 +185,8 @@ class VLLMServerEngine(TokenizedEngine):
             raise EngineError(f"adapter folder {adapter_dir} lacks {', '.join(missing)}")
         name = adapter_name(self.adapter_prefix, policy_version)
         with self._lock:
+            if name == self._served:  # a new lineage's version of the number being served
+                name += RELOAD_SUFFIX
             try:
                 self._call("POST", "/v1/load_lora_adapter",
                            {"lora_name": name, "lora_path": str(adapter_dir)}, reply_json=False)

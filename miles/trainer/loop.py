@@ -199,6 +199,7 @@ class TrainerLoop:
         self.buffer: deque[Decoded] = deque()
         self.batch: dict[str, list[Decoded]] = new_batch()  # the step being collected
         self.positions: dict[TopicPartition, int] = {}
+        self.read_to: dict[TopicPartition, int] = {}  # past the last record polled, this process
         self.step = 0
         self.counts: Counter[str] = Counter()
         self.lags: Counter[int] = Counter()
@@ -270,20 +271,18 @@ class TrainerLoop:
     def _position(self, tp: TopicPartition) -> int | None:
         """The first offset of `tp` not yet trained, dropped or dead-lettered."""
         waiting = [d.record.offset for d in self._in_flight() if d.record.tp == tp]
-        return min(waiting) if waiting else self._read_to(tp)
+        return min(waiting) if waiting else self._polled_to(tp)
 
-    def _read_to(self, tp: TopicPartition) -> int | None:
+    def _polled_to(self, tp: TopicPartition) -> int | None:
         """The offset past the last record of `tp` polled (or the known position)."""
-        polled = self.reader.next_offsets if self.reader is not None else {}
-        return polled.get(tp, self.positions.get(tp))
+        return self.read_to.get(tp, self.positions.get(tp))
 
     async def _on_revoked(self, revoked: set[TopicPartition]) -> None:
         for tp in revoked:
             position = self._position(tp)
             if position is not None:
                 self.positions[tp] = position
-            if self.reader is not None:
-                self.reader.next_offsets.pop(tp, None)
+            self.read_to.pop(tp, None)
         dropped = sum(d.record.tp in revoked for d in self._in_flight())
         self.buffer = deque(d for d in self.buffer if d.record.tp not in revoked)
         for items in self.batch.values():
@@ -310,6 +309,7 @@ class TrainerLoop:
                     self.batch["trained"] = []
                     return False
                 self.buffer.extend(await self.reader.poll(timeout_s=0.2))
+                self.read_to.update(self.reader.polled)
                 self.counts["trainer/dead_lettered"] = \
                     self._dead_lettered_before + self.reader.counts["bus/dlq_records"]
                 if time.monotonic() - last_beat > self.config.heartbeat_s:
@@ -430,7 +430,7 @@ class TrainerLoop:
         tps = set(self.positions) | self.consumer.assignment()
         # records taken off the buffer count as consumed (admission: producers must not wait
         # on groups the step being collected has already judged)
-        consumed = sum(self._read_to(tp) or 0 for tp in tps) - len(self.buffer)
+        consumed = sum(self._polled_to(tp) or 0 for tp in tps) - len(self.buffer)
         extra = {"consumed": consumed, "step": self.step, **self.counts,
                  **{f"lag/{lag}": count for lag, count in self.lags.items()}}  # running totals
         beat = Heartbeat(producer_id=f"trainer-{self.config.run}", role="trainer",

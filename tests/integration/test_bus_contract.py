@@ -8,7 +8,7 @@ import time
 import pytest
 
 from miles.bus import Bus, Consumer, Record, TopicPartition
-from miles.errors import BusError, RecordTooLargeError
+from miles.errors import BusError, CommitFailedError, RecordTooLargeError
 from miles.protocol.topics import (MAX_RECORD_BYTES, TOPIC_MAX_MESSAGE_BYTES, run_topics,
                                    topic_name)
 from tests.conftest import unique_run
@@ -156,6 +156,25 @@ async def test_rebalance_callbacks_report_partitions(bus, run):
             await consumer.poll(timeout_s=0.2)
         assert assigned[-1] == {TopicPartition(topic, p) for p in range(3)}
     assert revoked and revoked[-1] == {TopicPartition(topic, p) for p in range(3)}
+
+
+async def test_a_revocation_may_commit_and_a_moved_partition_cannot_be(bus, run):
+    topic = topic_name(run, "control")
+    await publish_numbers(bus, topic, 5)
+    tp = TopicPartition(topic, 0)
+    holder: list = []
+
+    async def on_revoked(tps):  # on close too, before the partitions move
+        await holder[0].commit({tp: 3})
+
+    first = bus.consumer([topic], group_id=f"{run}-g", on_revoked=on_revoked)
+    holder.append(first)
+    async with first:
+        await collect(first, 5)
+    async with bus.consumer([topic], group_id=f"{run}-g") as second:
+        assert values(await collect(second, 2)) == [3, 4]
+        with pytest.raises(CommitFailedError):
+            await second.commit({TopicPartition(topic_name(run, "prompts"), 0): 1})
 
 
 async def test_seek_to_offset(bus, run):

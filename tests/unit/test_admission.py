@@ -20,3 +20,10 @@ def test_admission(loaded, trainer_version, in_flight, batch, per_step, bound, e
     trainer = TrainerView(policy_version=trainer_version)
     assert admitted(loaded_version=loaded, trainer=trainer, in_flight=in_flight, batch=batch,
                     groups_per_step=per_step, max_staleness=bound) is expected
+
+
+def test_the_trainer_view_follows_the_newest_generation():
+    trainer = TrainerView(policy_version=7, generation=1)
+    assert trainer.follow(1, 5) and trainer.policy_version == 7  # within one: only grows
+    assert trainer.follow(2, 3) and (trainer.generation, trainer.policy_version) == (2, 3)
+    assert not trainer.follow(1, 9) and trainer.policy_version == 3  # a fenced trainer

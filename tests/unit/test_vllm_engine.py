@@ -432,6 +432,15 @@ def test_loads_that_cannot_happen(make_engine, tmp_path):
     assert engine.policy_version == 3 and full.policy_version == 0
 
 
+def test_a_new_lineage_may_go_back_in_version(make_engine, tmp_path):
+    engine, llm = make_engine()
+    engine.load_adapter(write_adapter(tmp_path / "v3"), 3)
+    engine.load_version(write_adapter(tmp_path / "resumed-v3"), 3, "lora", new_lineage=True)
+    assert engine.policy_version == 3 and llm.added[-1].lora_path.endswith("resumed-v3")
+    engine.load_version(write_adapter(tmp_path / "resumed-v2"), 2, "lora", new_lineage=True)
+    assert engine.policy_version == 2 and llm.added[-1].lora_path.endswith("resumed-v2")
+
+
 def save_weights(path: Path) -> Path:
     from safetensors.torch import save_file
 

@@ -340,6 +340,20 @@ def test_adapter_versions_switch_the_model_name(fake, tokenizer_dir, adapter, tm
     assert fake.posted("/v1/completions")[-1]["model"] == "miles-v5"
 
 
+def test_a_new_lineage_s_version_of_the_served_number_loads_under_another_name(
+        fake, tokenizer_dir, adapter):
+    fake.route("POST", "/v1/load_lora_adapter", "Success")
+    fake.route("POST", "/v1/unload_lora_adapter", "Success")
+    engine = engine_for(fake, tokenizer_dir)
+    engine.load_adapter(adapter, 5)
+    engine.load_version(adapter, 5, "lora", new_lineage=True)  # a resumed trainer's version 5
+    assert [b["lora_name"] for b in fake.posted("/v1/load_lora_adapter")] == [
+        "miles-v5", "miles-v5-reload"]
+    assert fake.posted("/v1/unload_lora_adapter") == [{"lora_name": "miles-v5"}]
+    engine.load_version(adapter, 2, "lora", new_lineage=True)
+    assert (engine.policy_version, engine.served_model) == (2, "miles-v2")
+
+
 def test_failed_unload_is_logged_not_raised(fake, tokenizer_dir, adapter, caplog):
     fake.route("POST", "/v1/load_lora_adapter", "Success")
     fake.route("POST", "/v1/unload_lora_adapter", (500, {"error": {"message": "boom"}}))

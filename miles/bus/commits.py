@@ -1,0 +1,92 @@
+"""Commits of work that is done: offsets whose records have been fully handled (for a producer:
+their groups published), committed after each batch and when the partitions are revoked.
+
+A rebalance revokes partitions while a batch may be in flight. `on_revoked` waits for that batch
+(at most `REVOKE_WAIT_S`), then commits what is done on the revoked partitions, so a member that
+leaves gracefully, or one whose partitions move, hands them over with nothing to redo. A commit
+the group refuses because its membership already changed (`CommitFailedError`) is logged in one
+line and counted, never raised: the uncommitted records are re-delivered to the partition's new
+owner (at-least-once). Any other bus error propagates.
+
+Simplifications, chosen on purpose:
+- One batch at a time (the producer's loop); `begin`/`done`/`abandon` bracket it, and no batch
+  begins between a revocation and the next assignment (`revoking`).
+- A wait that times out commits only what is done; the batch still running is then redone by
+  the partition's new owner, and its own commit later fails or covers partitions still held.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Mapping
+
+from miles.bus.base import Consumer, TopicPartition
+from miles.errors import CommitFailedError
+
+log = logging.getLogger(__name__)
+REVOKE_WAIT_S = 30.0  # longest a revocation waits for the batch in flight (< the rebalance timeout)
+
+
+class DoneOffsets:
+    """Next offsets of handled records not committed yet, per partition."""
+
+    def __init__(self) -> None:
+        self.consumer: Consumer | None = None  # set once the consumer exists
+        self.failures = 0  # commits refused because the group's membership changed
+        self._done: dict[TopicPartition, int] = {}
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._revoking = False
+
+    @property
+    def revoking(self) -> bool:
+        """Between a revocation and the next assignment: records polled now are not handled
+        (positions restart from the group's commit once the partitions are assigned)."""
+        return self._revoking
+
+    def begin(self) -> None:
+        """A batch is in flight: a revocation waits for it."""
+        self._idle.clear()
+
+    def done(self, offsets: Mapping[TopicPartition, int]) -> None:
+        """The batch ending at `offsets` (next offsets to read) is handled."""
+        for tp, offset in offsets.items():
+            self._done[tp] = max(self._done.get(tp, 0), offset)
+        self._idle.set()
+
+    def abandon(self) -> None:
+        """The batch in flight will not be handled (rewound, or the loop stopped)."""
+        self._idle.set()
+
+    async def commit(self, tps: set[TopicPartition] | None = None) -> None:
+        """Commit the done offsets of `tps` (None: all) that this member still holds."""
+        held = self.consumer.assignment() if self.consumer is not None else set()
+        offsets = {tp: o for tp, o in self._done.items()
+                   if tp in held and (tps is None or tp in tps)}
+        for tp in set(self._done) - held:
+            del self._done[tp]  # moved away: its new owner starts at the group's commit
+        if not offsets:
+            return
+        for tp in offsets:
+            del self._done[tp]
+        try:
+            await self.consumer.commit(offsets)
+        except CommitFailedError as err:
+            self.failures += 1
+            log.warning("commit refused after a rebalance; those prompts are re-delivered: %s",
+                        err)
+
+    async def on_assigned(self, assigned: set[TopicPartition]) -> None:
+        """The bus's assignment callback: polled records can be handled again."""
+        self._revoking = False
+
+    async def on_revoked(self, revoked: set[TopicPartition]) -> None:
+        """The bus's revocation callback: wait for the batch in flight, commit what is done."""
+        self._revoking = True
+        try:
+            await asyncio.wait_for(self._idle.wait(), REVOKE_WAIT_S)
+        except TimeoutError:
+            log.warning("partitions revoked with a batch still in flight after %g s; its "
+                        "prompts will be generated again", REVOKE_WAIT_S)
+        await self.commit(revoked)
