@@ -284,7 +284,10 @@ class TrainerLoop:
                 self.positions[tp] = position
             self.read_to.pop(tp, None)
         dropped = sum(d.record.tp in revoked for d in self._in_flight())
-        self.buffer = deque(d for d in self.buffer if d.record.tp not in revoked)
+        # in place: `_collect` may hold a reference across the poll this callback runs in
+        kept = [d for d in self.buffer if d.record.tp not in revoked]
+        self.buffer.clear()
+        self.buffer.extend(kept)
         for items in self.batch.values():
             items[:] = [d for d in items if d.record.tp not in revoked]
         log.info("partitions revoked: %s; %d groups read ahead will be read again",
@@ -313,6 +316,7 @@ class TrainerLoop:
                 self.counts["trainer/dead_lettered"] = \
                     self._dead_lettered_before + self.reader.counts["bus/dlq_records"]
                 if time.monotonic() - last_beat > self.config.heartbeat_s:
+                    self.runner.fence.check()  # an idle zombie must not hold partitions
                     await self._heartbeat()
                     last_beat = time.monotonic()
                 continue
