@@ -40,7 +40,14 @@ def choose(table: Mapping[str, T], name: str, what: str) -> T:
 def load_config(cls: type[T], *, path: str | Path | None = None, overrides: Iterable[str] = (),
                 env: Mapping[str, str] | None = None, base: Mapping[str, Any] | None = None
                 ) -> T:
-    data = merge(base or {}, _read_file(Path(path)) if path else {})
+    return build(cls, merge(base or {}, read_layers(cls, path=path, overrides=overrides, env=env)))
+
+
+def read_layers(cls: type, *, path: str | Path | None = None, overrides: Iterable[str] = (),
+                env: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """The file, environment and `--set` layers merged, unconverted (what `load_config` builds
+    over its base)."""
+    data = _read_file(Path(path)) if path else {}
     env = os.environ if env is None else env
     for dotted, text in _env_settings(cls, env):
         _set_path(data, dotted, text)
@@ -49,7 +56,7 @@ def load_config(cls: type[T], *, path: str | Path | None = None, overrides: Iter
         if not sep:
             raise ConfigError(f"--set expects key=value, got {item!r}")
         _set_path(data, key.strip(), text.strip())
-    return build(cls, data)
+    return data
 
 
 def merge(lower: Mapping[str, Any], upper: Mapping[str, Any]) -> dict[str, Any]:
@@ -253,11 +260,11 @@ def log_config(config: Any) -> None:
     log.info("config %s %s", type(config).__name__, describe(config))
 
 
-
 def parse_config_args(cls: type[T], argv=None, *, prog: str, description: str,
                       algo_at: str | None = None) -> T:
     """`--config FILE` and repeated `--set KEY=VALUE`, the command line of every daemon; with
-    `algo_at` (the dotted path of an `AlgorithmConfig`), also `--algo PRESET` as the base."""
+    `algo_at` (the dotted path of an `AlgorithmConfig`), also `--algo PRESET` as the base; without
+    it, the preset named by `<algo_at>.name` (default grpo) is the base."""
     import argparse
 
     parser = argparse.ArgumentParser(prog=prog, description=description)
@@ -267,9 +274,23 @@ def parse_config_args(cls: type[T], argv=None, *, prog: str, description: str,
     if algo_at:
         parser.add_argument("--algo", default=None, help="algorithm preset (miles algorithms)")
     args = parser.parse_args(argv)
-    base = None
-    if getattr(args, "algo", None):
-        from miles.rl.algorithm import preset
+    if not algo_at:
+        return load_config(cls, path=args.config, overrides=args.set)
+    from miles.rl.algorithm import PRESETS, preset
 
-        base = nest(algo_at, preset(args.algo))
-    return load_config(cls, path=args.config, overrides=args.set, base=base)
+    if args.algo:
+        preset(args.algo)  # an unknown --algo: the ConfigError naming the presets
+    data = read_layers(cls, path=args.config, overrides=args.set)
+    name = _section(data, algo_at).get("name", args.algo or "grpo")
+    if args.algo and name != args.algo:
+        raise ConfigError(f"--algo {args.algo} and {algo_at}.name={name!r} disagree; "
+                          "name one preset")
+    # The named preset is the base; an unknown name fails in AlgorithmConfig, naming the field.
+    base = nest(algo_at, preset(name)) if name in PRESETS else {}
+    return build(cls, merge(base, data))
+
+
+def _section(data: Mapping[str, Any], dotted: str) -> Mapping[str, Any]:
+    for part in dotted.split("."):
+        data = data.get(part, {}) if isinstance(data, Mapping) else {}
+    return data if isinstance(data, Mapping) else {}

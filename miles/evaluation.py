@@ -6,6 +6,9 @@ a problem counts as solved when the run's reward `Scorer` gives its answer a pos
 The `Evaluator` is one more consumer of the run's topics, in its own consumer groups: it follows
 the control topic, loads each newer version (sha256-verified) at most every `every_s` seconds,
 measures it, and keeps the curve; from the status topic it keeps the producers' generation time.
+"Newer" is the producers' rule (`miles.weights.following`): the newest trainer generation's
+versions, going forward within it, so a trainer resumed from an older checkpoint is followed
+and a fenced one ignored. The engine's starting weights count as every fresh trainer's version 0.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from miles.rl.sampling import SamplingParams
 from miles.service import wait_or_stop
 from miles.tasks.arithmetic import Problem
 from miles.tasks.rewards import Scorer, exact_match
+from miles.weights.following import Announcements, lineage
 from miles.weights.store import fetch_version
 
 log = logging.getLogger(__name__)
@@ -75,9 +79,10 @@ class Evaluator:
         self.scorer = scorer or Scorer(exact_match)
         self.engine = HFEngine(model_dir, lora=lora)
         self.curve = Curve()
-        self.announced = -1  # newest version seen on the control topic
+        self.announced = -1  # policy version of the newest followed announcement
         self.producer_generate_s: dict[str, float] = {}
-        self._newest: WeightVersion | None = None
+        self._followed = Announcements()
+        self._loaded: tuple[int, int] | None = None  # lineage of the loaded weights; None: base
 
     async def __aenter__(self) -> Evaluator:
         def reader(kind: str, expected, **options) -> DecodingConsumer:
@@ -106,34 +111,46 @@ class Evaluator:
         return accuracy
 
     async def read_topics(self, wait_s: float = 0.05) -> None:
-        """Take in everything new on the control and status topics."""
-        while items := await self._control.poll(timeout_s=wait_s):  # until caught up
-            for item in items:
-                if self._newest is None or \
-                        item.value.policy_version > self._newest.policy_version:
-                    self._newest = item.value
-                    self.announced = item.value.policy_version
+        """Take in everything new on the status and control topics (status first: a newer
+        trainer's heartbeat fences the versions its predecessor announces after it)."""
         for item in await self._status.poll(timeout_s=wait_s):
             beat = item.value
-            if beat.role == "producer" and "generate_s" in beat.extra:
+            if beat.role == "trainer":
+                self._followed.fence(beat.trainer_generation)
+            elif beat.role == "producer" and "generate_s" in beat.extra:
                 self.producer_generate_s[beat.producer_id] = float(beat.extra["generate_s"])
+        while items := await self._control.poll(timeout_s=wait_s):  # until caught up
+            for item in items:
+                why = self._followed.refusal(item.value)
+                if why is not None:
+                    log.info("evaluation ignores version %d: %s", item.value.policy_version, why)
+                    continue
+                self._followed.add(item.value)
+                self.announced = item.value.policy_version
 
     async def wait_for_version(self, version: int, stop: asyncio.Event) -> None:
         while self.announced < version and not stop.is_set():
             await self.read_topics(wait_s=0.2)
 
     async def load_newest(self) -> bool:
-        """Load the newest announced version if it is newer than the loaded one."""
-        version = self._newest
-        if version is None or version.policy_version <= self.engine.policy_version:
+        """Load the newest followed version if it would replace the loaded weights."""
+        if self._loaded is None:
+            if not self._followed.recent:
+                return False
+            self._loaded = (self._followed.generation, 0)  # base weights: a fresh version 0
+        newer = self._followed.newer_than(self._loaded)
+        if not newer:
             return False
+        version = newer[0]
+        new_lineage = version.trainer_generation > self._loaded[0]  # may go back in number
         try:
             folder = await asyncio.to_thread(fetch_version, version)
             await asyncio.to_thread(self.engine.load_version, folder, version.policy_version,
-                                    version.format)
+                                    version.format, new_lineage=new_lineage)
         except MilesError as err:  # e.g. already pruned from the store: wait for a newer one
             log.warning("evaluation skips version %d: %s", version.policy_version, err)
             return False
+        self._loaded = lineage(version)
         return True
 
     async def follow(self, stop: asyncio.Event, started: float) -> None:

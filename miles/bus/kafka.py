@@ -30,6 +30,7 @@ from aiokafka.errors import (CommitFailedError as KafkaCommitFailedError, Illega
                              IllegalStateError, KafkaError, RebalanceInProgressError,
                              UnknownMemberIdError)
 
+from miles.bus import reconnects
 from miles.bus.base import (Bus, Consumer, Delivery, Headers, RebalanceCallback, Record,
                             TopicInfo, TopicPartition, check_record_size)
 from miles.errors import BusError, CommitFailedError
@@ -86,6 +87,7 @@ class KafkaBus(Bus):
         self.url = url if url.startswith("kafka://") else f"kafka://{url}"
         self.bootstrap = parse_bootstrap(url)
         self.client_id = client_id
+        reconnects.install()
         self._producer: AIOKafkaProducer | None = None
         self._admin: AIOKafkaAdminClient | None = None
         self._offsets_reader: AIOKafkaConsumer | None = None

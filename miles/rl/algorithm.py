@@ -4,7 +4,8 @@
 aggregation, behaviour correction, KL and entropy terms), the critic settings of PPO and the
 DAPO batch pieces. A preset is a partial config (a mapping of field overrides), applied as the
 lowest config layer (`miles train --algo dapo --set learner.algorithm.loss.clip_high=0.3` starts
-from DAPO and overrides one field). `miles algorithms` prints `PRESETS`.
+from DAPO and overrides one field). `name` records the preset; naming it in a file or `--set`
+chooses the preset just as `--algo` does (`parse_config_args`). `miles algorithms` prints `PRESETS`.
 
 Simplifications:
 - KL to the reference as a reward penalty is per token and needs per-token rewards, so it is
@@ -30,7 +31,7 @@ ESTIMATORS = (*ADVANTAGE_ESTIMATORS, "gae")
 class AlgorithmConfig:
     """How a batch of groups becomes a loss (see the presets for coherent combinations)."""
 
-    name: str = "grpo"  # the preset this config started from (reported in metrics and report)
+    name: str = "grpo"  # the preset the other fields start from (one of PRESETS; like --algo)
     estimator: str = "grpo"  # advantages: grpo, dr_grpo, rloo, reinforce_pp, or gae (critic)
     loss: LossSettings = field(default_factory=LossSettings)  # objective, aggregation, IS, KL
     mini_batches: int = 1  # optimizer steps per batch; > 1 recomputes proximal logprobs first
@@ -47,6 +48,8 @@ class AlgorithmConfig:
 
     def __post_init__(self) -> None:
         checks = [
+            (self.name in PRESETS,
+             f"name must be one of {sorted(PRESETS)} (a preset), got {self.name!r}"),
             (self.estimator in ESTIMATORS,
              f"estimator must be one of {list(ESTIMATORS)}, got {self.estimator!r}"),
             (self.mini_batches >= 1,

@@ -121,7 +121,7 @@ def prune_checkpoints(root: Path, keep: int = KEEP) -> list[Path]:
     """Delete complete checkpoints older than the newest `keep`, and staging folders older than
     the newest complete one; never the newest complete checkpoint. Returns what was deleted."""
     complete = [(s, p) for s, p in _by_step(root) if problem_of(p) is None]
-    old = [p for _, p in complete[keep:]]
+    old = [p for _, p in complete[max(keep, 1):]]
     if complete:
         newest = complete[0][0]
         old += [p for p in Path(root).glob("step_*.tmp")

@@ -160,3 +160,31 @@ async def test_a_missing_newest_file_falls_back_and_admission_says_what_it_waits
     assert waits == {"policy version >= 5 (loaded 4); versions 6, 5 failed to load, retried "
                      "every 0.3 s"}, waits
     assert "producer-0: waiting for policy version >= 5 (loaded 4)" in blocked, blocked
+
+
+async def test_the_evaluator_follows_a_resumed_trainer_and_ignores_a_fenced_one(model_dir,
+                                                                               versions):
+    from miles.evaluation import Evaluator
+
+    _, records = versions
+    run = "evaluated"
+    async with open_bus("embedded://") as bus:
+        await bus.create_topics(run_topics(run, prompt_partitions=1, trajectory_partitions=1))
+        control, status = topic_name(run, "control"), topic_name(run, "status")
+
+        async def announce(version: int, generation: int) -> int:
+            await bus.publish(control, encode(replace(records[version],
+                                                      trainer_generation=generation)))
+            await evaluator.read_topics()
+            loaded = await evaluator.load_newest()
+            return evaluator.engine.policy_version if loaded else None
+
+        async with Evaluator(bus, run, model_dir, LORA, [], every_s=60) as evaluator:
+            assert [await announce(v, generation=1) for v in (1, 3, 2)] == [1, 3, None]
+            assert await announce(2, generation=2) == 2  # resumed from an older checkpoint
+            assert await announce(6, generation=1) is None  # the fenced trainer
+            assert evaluator.engine.policy_version == 2
+            assert await announce(4, generation=2) == 4
+            await bus.publish(status, trainer_beat(1, generation=3))  # a newer trainer started
+            assert await announce(5, generation=2) is None
+            assert evaluator.engine.policy_version == 4 and evaluator.announced == 4

@@ -107,3 +107,25 @@ def test_a_nested_section_s_own_check_is_reported_at_its_config_path():
 
     with pytest.raises(ConfigError, match=r"^learner\.algorithm\.loss\.clip_low must be in"):
         load_config(TrainerSettings, env={}, overrides=["learner.algorithm.loss.clip_low=3"])
+
+
+def test_an_unknown_algorithm_name_fails_naming_the_field_and_the_presets():
+    from consumers.trainer import parse_args
+
+    with pytest.raises(ConfigError, match=r"^learner\.algorithm\.name must be one of "
+                                          r"\[.*'dapo'.*\] \(a preset\), got 'bogus'"):
+        parse_args(["--set", "learner.algorithm.name=bogus"])
+
+
+def test_the_algorithm_name_chooses_the_preset_like_algo(tmp_path):
+    from consumers.trainer import parse_args
+
+    by_flag = parse_args(["--algo", "dapo"]).learner.algorithm
+    by_name = parse_args(["--set", "learner.algorithm.name=dapo"]).learner.algorithm
+    assert by_name == by_flag and by_name.dynamic_sampling and by_name.overlong_buffer == 2
+    path = tmp_path / "c.toml"  # fields valid only over the preset: kl_in_reward needs gae
+    path.write_text('[learner.algorithm]\nname = "ppo"\nkl_in_reward = true\n')
+    assert parse_args(["--config", str(path)]).learner.algorithm.estimator == "gae"
+    assert parse_args([]).learner.algorithm.name == "grpo"
+    with pytest.raises(ConfigError, match="--algo dapo and learner.algorithm.name='ppo' disagree"):
+        parse_args(["--algo", "dapo", "--set", "learner.algorithm.name=ppo"])
