@@ -16,6 +16,7 @@ from pathlib import Path
 
 from miles.config import log_config, parse_config_args
 from miles.engines.base import LoraSettings
+from miles.rl.algorithm import preset_layers
 from miles.service import configure_logging, run_service
 from miles.trainer.learner import LearnerConfig
 from miles.trainer.loop import LoopConfig
@@ -37,7 +38,8 @@ class TrainerSettings:
 
 def parse_args(argv=None) -> TrainerSettings:
     return parse_config_args(TrainerSettings, argv, prog="consumers.trainer",
-                             description=__doc__.splitlines()[0], algo_at="learner.algorithm")
+                             description=__doc__.splitlines()[0], presets=preset_layers(),
+                             algo_at="learner.algorithm")
 
 
 def build_runner(settings: TrainerSettings):

@@ -214,20 +214,21 @@ async def _feed(args: argparse.Namespace) -> int:
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from miles.config import load_config, nest
+    from miles.config import load_with_preset
     from miles.demo import DemoConfig, main_demo
-    from miles.rl.algorithm import preset
+    from miles.rl.algorithm import preset_layers
 
     flags = {"bus": args.bus, "out_dir": args.out, "max_staleness": args.max_staleness,
              "model_dir": args.model_dir, "prompts": args.prompts,
              "reward": args.reward, "rl_seconds": args.rl_seconds}
     overrides = [f"{k}={v}" for k, v in flags.items() if v is not None] + args.set
-    base = nest("learner.algorithm", preset(args.algo)) if args.algo else None
-    return main_demo(load_config(DemoConfig, overrides=overrides, base=base))
+    return main_demo(load_with_preset(DemoConfig, preset_layers(), "learner.algorithm",
+                                      algo=args.algo, overrides=overrides))
 
 
 def _replay(argv: list[str]) -> int:
     from miles.config import log_config, parse_config_args
+    from miles.rl.algorithm import preset_layers
     from miles.trainer.replay import ReplaySettings, run_replay
 
     configure_logging()
@@ -235,7 +236,7 @@ def _replay(argv: list[str]) -> int:
         settings = parse_config_args(ReplaySettings, argv, prog="miles replay",
                                      description="Train a fresh trainer on a recorded "
                                                  "trajectories topic.",
-                                     algo_at="learner.algorithm")
+                                     presets=preset_layers(), algo_at="learner.algorithm")
         log_config(settings)
         summary = asyncio.run(run_replay(settings))
     except MilesError as err:

@@ -261,32 +261,41 @@ def log_config(config: Any) -> None:
 
 
 def parse_config_args(cls: type[T], argv=None, *, prog: str, description: str,
-                      algo_at: str | None = None) -> T:
+                      presets: Mapping[str, Mapping[str, Any]] | None = None,
+                      algo_at: str = "") -> T:
     """`--config FILE` and repeated `--set KEY=VALUE`, the command line of every daemon; with
-    `algo_at` (the dotted path of an `AlgorithmConfig`), also `--algo PRESET` as the base; without
-    it, the preset named by `<algo_at>.name` (default grpo) is the base."""
+    `presets` (algorithm presets for the `AlgorithmConfig` at dotted path `algo_at`), also
+    `--algo PRESET`, and the chosen preset is the lowest layer (`load_with_preset`)."""
     import argparse
 
     parser = argparse.ArgumentParser(prog=prog, description=description)
     parser.add_argument("--config", type=Path, default=None, help="TOML or YAML file")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="override one setting, e.g. --set learner.lr=1e-4")
-    if algo_at:
+    if presets is not None:
         parser.add_argument("--algo", default=None, help="algorithm preset (miles algorithms)")
     args = parser.parse_args(argv)
-    if not algo_at:
+    if presets is None:
         return load_config(cls, path=args.config, overrides=args.set)
-    from miles.rl.algorithm import PRESETS, preset
+    return load_with_preset(cls, presets, algo_at, algo=args.algo, path=args.config,
+                            overrides=args.set)
 
-    if args.algo:
-        preset(args.algo)  # an unknown --algo: the ConfigError naming the presets
-    data = read_layers(cls, path=args.config, overrides=args.set)
-    name = _section(data, algo_at).get("name", args.algo or "grpo")
-    if args.algo and name != args.algo:
-        raise ConfigError(f"--algo {args.algo} and {algo_at}.name={name!r} disagree; "
-                          "name one preset")
-    # The named preset is the base; an unknown name fails in AlgorithmConfig, naming the field.
-    base = nest(algo_at, preset(name)) if name in PRESETS else {}
+
+def load_with_preset(cls: type[T], presets: Mapping[str, Mapping[str, Any]], at: str, *,
+                     algo: str | None = None, path: str | Path | None = None,
+                     overrides: Iterable[str] = ()) -> T:
+    """`load_config` over an algorithm preset: the one `algo` (`--algo`) names, or else the one
+    the file, environment or `--set` name at `<at>.name`; both naming different presets is an
+    error. `presets` maps each name to its fields. An unknown `<at>.name` is left for the
+    config's own validation, which names the field."""
+    if algo is not None:
+        choose(presets, algo, "algorithm preset (--algo)")
+    data = read_layers(cls, path=path, overrides=overrides)
+    named = _section(data, at).get("name")
+    if algo is not None and named is not None and named != algo:
+        raise ConfigError(f"--algo {algo} and {at}.name={named!r} disagree; name one preset")
+    name = algo or named
+    base = nest(at, presets[name]) if name in presets else {}
     return build(cls, merge(base, data))
 
 

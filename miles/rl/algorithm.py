@@ -137,6 +137,11 @@ PRESETS: dict[str, Preset] = {
 }
 
 
+def preset_layers() -> dict[str, dict]:
+    """Every preset's fields with its name recorded (`config.load_with_preset`'s `presets`)."""
+    return {name: preset(name) for name in PRESETS}
+
+
 def preset(name: str) -> dict:
     """The overrides of preset `name`, with `name` itself recorded."""
     if name not in PRESETS:

@@ -149,6 +149,14 @@ def problem_of(path: Path) -> str | None:
     return None
 
 
+def newest_meta(root: Path) -> dict[str, Any] | None:
+    """The meta of the newest complete checkpoint under `root`, reading no state (audits)."""
+    for _, path in _by_step(root):
+        if problem_of(path) is None:
+            return json.loads((path / META).read_text())
+    return None
+
+
 def load_newest(root: Path, state: dict[str, Any]) -> tuple[Path, dict[str, Any]] | None:
     """Fill `state` in place from the newest checkpoint under `root` that verifies and loads
     (a collective); returns its folder and meta, or None when there is no checkpoint at all.
