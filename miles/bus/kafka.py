@@ -4,7 +4,9 @@ Producer: idempotent, `acks=all`, zstd, a 5 ms linger and 4 MiB batches (the Pyt
 the broker, limits throughput, so records are batched hard). Consumer: manual commits only,
 earliest reset by default, fetch sizes from `miles.protocol.topics` so no record the topic
 accepts can stall it. Every aiokafka exception is wrapped in `BusError` here; a commit refused
-because the group's membership changed raises its subclass `CommitFailedError`.
+because the group's membership changed raises its subclass `CommitFailedError`. Starting the
+bus or a consumer waits up to `START_TIMEOUT_S` for a broker that is not reachable yet (a
+daemon started during a broker restart), with one log line, before it fails.
 
 aiokafka's admin client does not raise per-topic errors from CreateTopics; they are read from the
 response and reported (an existing topic is not an error).
@@ -18,7 +20,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Awaitable, Iterable, Mapping, Sequence
+import logging
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
@@ -43,6 +46,9 @@ MAX_BATCH_BYTES = 4 * 1024 * 1024  # one request in flight per broker: fewer, bi
 REQUEST_TIMEOUT_MS = 40_000
 TOPIC_LOOKUP_TIMEOUT_S = 15.0
 TOPIC_ALREADY_EXISTS = 36
+log = logging.getLogger(__name__)
+START_TIMEOUT_S = 30.0  # how long starting a client waits for an unreachable broker
+START_RETRY_S = 1.0
 # Commit errors that mean the group's membership changed (IllegalStateError: the partition is
 # no longer assigned to this member): raised as `CommitFailedError`.
 MEMBERSHIP_ERRORS = (KafkaCommitFailedError, IllegalGenerationError, RebalanceInProgressError,
@@ -74,6 +80,27 @@ def probe_cluster(bootstrap: str, timeout_s: float = 5.0) -> bool:
     return asyncio.run(probe())
 
 
+async def _retrying(action: str, connect: Callable[[], Awaitable[None]]) -> None:
+    """`connect()` until it succeeds or `START_TIMEOUT_S` pass: a daemon that starts while the
+    broker restarts waits for it (one log line) instead of dying. BusError after that."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + START_TIMEOUT_S
+    warned = False
+    while True:
+        try:
+            with _wrapped(action):
+                await connect()
+            return
+        except BusError as err:
+            if loop.time() >= deadline:
+                raise
+            if not warned:
+                log.warning("%s: not reachable yet, retrying for up to %g s (%s)", action,
+                            START_TIMEOUT_S, err)
+                warned = True
+        await asyncio.sleep(START_RETRY_S)
+
+
 @contextlib.contextmanager
 def _wrapped(action: str):
     try:
@@ -94,6 +121,9 @@ class KafkaBus(Bus):
         self._known_topics: set[str] = set()
 
     async def start(self) -> None:
+        await _retrying(f"connecting to Kafka at {self.bootstrap}", self._connect)
+
+    async def _connect(self) -> None:
         self._producer = AIOKafkaProducer(
             bootstrap_servers=self.bootstrap, client_id=self.client_id,
             enable_idempotence=True, acks="all", compression_type=COMPRESSION,
@@ -102,9 +132,13 @@ class KafkaBus(Bus):
         self._admin = AIOKafkaAdminClient(bootstrap_servers=self.bootstrap,
                                           client_id=f"{self.client_id}-admin",
                                           request_timeout_ms=REQUEST_TIMEOUT_MS)
-        with _wrapped(f"connecting to Kafka at {self.bootstrap}"):
+        try:
             await self._producer.start()
             await self._admin.start()
+        except KafkaError:
+            with contextlib.suppress(KafkaError):
+                await self.close()
+            raise
 
     async def close(self) -> None:
         if self._producer is not None:
@@ -276,18 +310,29 @@ class KafkaConsumer(Consumer):
         self.bus = bus
         self.topics = topics
         self.group_id = group_id
-        self._consumer = AIOKafkaConsumer(
-            bootstrap_servers=bus.bootstrap, client_id=bus.client_id, group_id=group_id,
-            enable_auto_commit=False,
-            auto_offset_reset="earliest" if from_beginning else "latest",
-            max_partition_fetch_bytes=CONSUMER_MAX_PARTITION_FETCH_BYTES,
-            fetch_max_bytes=CONSUMER_FETCH_MAX_BYTES, request_timeout_ms=REQUEST_TIMEOUT_MS)
+        self._reset = "earliest" if from_beginning else "latest"
+        self._consumer = self._client()
         self._listener = _Listener(on_assigned, on_revoked)
 
+    def _client(self) -> AIOKafkaConsumer:
+        return AIOKafkaConsumer(
+            bootstrap_servers=self.bus.bootstrap, client_id=self.bus.client_id,
+            group_id=self.group_id, enable_auto_commit=False, auto_offset_reset=self._reset,
+            max_partition_fetch_bytes=CONSUMER_MAX_PARTITION_FETCH_BYTES,
+            fetch_max_bytes=CONSUMER_FETCH_MAX_BYTES, request_timeout_ms=REQUEST_TIMEOUT_MS)
+
     async def start(self) -> None:
-        with _wrapped(f"starting consumer {self.group_id}"):
-            self._consumer.subscribe(self.topics, listener=self._listener)
+        await _retrying(f"starting consumer {self.group_id}", self._connect)
+
+    async def _connect(self) -> None:
+        self._consumer.subscribe(self.topics, listener=self._listener)
+        try:
             await self._consumer.start()
+        except KafkaError:
+            with contextlib.suppress(KafkaError):
+                await self._consumer.stop()
+            self._consumer = self._client()  # a client whose start failed is not started again
+            raise
 
     async def close(self) -> None:
         """Revoke (aiokafka does not on stop, the embedded bus does), then leave the group."""

@@ -16,11 +16,16 @@ has them re-delivered to another producer, which generates them again. A group w
 and is trained like any other (it is fresh data, just a second draw for the same prompt).
 
 Exactly-once bookkeeping: per partition, the next offset to read is the offset of the first
-group still waiting in the buffer, or the consumer's position when nothing waits; everything
-before it was trained, dropped as stale or dead-lettered. A restarted trainer loads the newest
-checkpoint, truncates the ledger to it and seeks there. The same offsets are committed to the
-trainer's consumer group after every checkpoint and at shutdown, so its lag (`miles status`)
-follows the run; the checkpoint, not the commit, is what a restart resumes from.
+group still waiting (in the buffer or the step being collected), or past the last record polled
+when nothing waits; everything before it was trained, dropped as stale or dead-lettered. The
+trainer keeps these positions itself and seeks every partition the group assigns it to them
+(rebalance callbacks), so pauses past the session timeout and members joining or leaving never
+move it back to the group's committed offset. A restarted trainer takes the next generation
+(`fence`: an older trainer still running stops at its next side effect), loads the newest
+checkpoint that verifies, cuts the ledger and metrics back to it (to nothing without one),
+restores its counters and seeks there. The same offsets are committed to the trainer's consumer
+group after every checkpoint and at shutdown, so its lag (`miles status`) follows the run; the
+checkpoint, not the commit, is what a restart resumes from (`docs/delivery.md`).
 """
 
 from __future__ import annotations

@@ -69,3 +69,32 @@ async def test_records_survive_a_broker_restart(kafka_broker):
     for partition in range(PARTITIONS):
         in_partition = [int(r.value.split(b":")[1]) for r in got if r.partition == partition]
         assert in_partition == sorted(in_partition)
+
+
+async def test_a_client_started_while_the_broker_is_down_waits_for_it(kafka_broker):
+    """A daemon (re)started during a broker restart connects once the broker is back."""
+    if not kafka_broker.owned:
+        pytest.skip("needs a broker owned by this test session (MILES_TEST_BOOTSTRAP is set)")
+    run = unique_run()
+    async with open_bus(kafka_broker.url) as admin_bus:
+        await admin_bus.create_topics(run_topics(run))
+    await asyncio.to_thread(kafka_broker.stop)
+    try:
+        bus = open_bus(kafka_broker.url)
+        starting = asyncio.create_task(bus.start())
+        await asyncio.sleep(3.0)
+        assert not starting.done(), "start gave up while the broker was down"
+    finally:
+        await asyncio.to_thread(kafka_broker.start)
+    await asyncio.wait_for(starting, 60)
+    try:
+        delivery = await bus.publish(topic_name(run, "status"), b"after the restart")
+        assert delivery.offset == 0
+        async with bus.consumer([topic_name(run, "status")], group_id=f"{run}-g") as consumer:
+            records = []
+            deadline = time.monotonic() + 30
+            while not records and time.monotonic() < deadline:
+                records = await consumer.poll(timeout_s=0.5)
+        assert [r.value for r in records] == [b"after the restart"]
+    finally:
+        await bus.close()
