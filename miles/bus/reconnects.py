@@ -1,6 +1,6 @@
 """One log line per broker outage instead of one per reconnect attempt.
 
-aiokafka logs every failed connection attempt at ERROR (`aiokafka.client`: 'Unable connect to
+aiokafka logs every failed connection attempt at ERROR (client.py, on the `aiokafka` logger: 'Unable connect to
 "host:port": ...', "Unable connect to node with id N: ...", "Unable to update metadata from
 [...]"), which during a broker outage is tens of thousands of lines per process. The
 `ReconnectLogFilter` that `miles.bus.kafka` installs on that logger lets the first such line of a
@@ -19,7 +19,7 @@ import logging
 import time
 from dataclasses import dataclass
 
-LOGGER = "aiokafka.client"
+LOGGER = "aiokafka"  # aiokafka/client.py logs on "aiokafka", not on its module name
 FAILURES = ("Unable connect to", "Unable to update metadata from")  # aiokafka's own templates
 SUMMARY_S = 60.0  # during an outage, one line per target per this many seconds
 QUIET_S = 10.0  # no failure of a target for this long: its outage has ended
