@@ -61,6 +61,7 @@ from miles.weights.store import fetch_version
 log = logging.getLogger(__name__)
 ADMISSION_POLL_S = 0.02
 ENGINE_RETRY_S = 2.0  # pause before retrying a batch the engine failed on
+WAIT_WARN_S = 30.0  # admission waiting this long is logged (a stalled trainer or weights)
 WEIGHT_RETRY_S = 10.0  # pause before retrying versions that failed to load (files reappear)
 
 
@@ -148,6 +149,7 @@ class RolloutWorker:
         self._failed: set[tuple[int, int]] = set()  # lineages that failed to load
         self._retry_at = 0.0  # monotonic time to retry the versions that failed
         self.waiting: str | None = None  # what admission waits for (None: it admits)
+        self._waiting_since = time.monotonic()
         self.load_latencies: deque[float] = deque(maxlen=1000)  # announce -> in use, seconds
         self._sequence = 0
         self._in_flight = 0
@@ -241,8 +243,8 @@ class RolloutWorker:
         return self.waiting is None
 
     def _wait_for(self, needed: int) -> None:
-        """Set `waiting` (reported in every heartbeat, logged when it changes): what admission
-        waits for, and which newer versions failed to load."""
+        """Set `waiting` (reported in every heartbeat; logged every `WAIT_WARN_S` while it
+        lasts): what admission waits for, and which newer versions failed to load."""
         loaded = self.engine.policy_version
         waiting = None
         if loaded < needed:
@@ -252,8 +254,12 @@ class RolloutWorker:
             if failed:
                 waiting += (f"; versions {', '.join(map(str, failed))} failed to load, retried "
                             f"every {WEIGHT_RETRY_S:g} s")
-        if waiting != self.waiting and waiting is not None:
-            log.warning("admission waits for %s", waiting)
+        now = time.monotonic()
+        if waiting is None or self.waiting is None:
+            self._waiting_since = now  # short waits are the normal rhythm of an async run
+        elif now - self._waiting_since >= WAIT_WARN_S:
+            log.warning("admission has waited %.0f s for %s", now - self._waiting_since, waiting)
+            self._waiting_since = now
         self.waiting = waiting
 
     async def _roll_out(self, tasks: list[PromptTask]) -> None:

@@ -5,20 +5,18 @@ so no group is trained twice and none is skipped, although nothing was committed
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 
 import pytest
 
 from miles.bus import open_bus
 from miles.engines.base import LoraSettings
-from miles.protocol import encode
 from miles.protocol.topics import run_topics, topic_name
 from miles.trainer import distributed
 from miles.trainer.learner import Learner, LearnerConfig
 from miles.trainer.loop import LoopConfig, StepRunner, TrainerLoop
+from tests.accounting import assert_trained_once, ledger, publish_numbered
 from tests.conftest import unique_run
-from tests.factories import make_group
 
 PER_STEP, STEPS, ROUNDS = 4, 9, 3
 
@@ -27,21 +25,6 @@ PER_STEP, STEPS, ROUNDS = 4, 9, 3
 def _process_group():
     yield
     distributed.destroy()
-
-
-def ledger(out) -> list[dict]:
-    path = out / "ledger.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
-
-
-async def publish(bus, run: str, first: int, count: int) -> list[str]:
-    ids = []
-    for i in range(first, first + count):
-        group = make_group(n_samples=4, n_tokens=3, prompt_tokens=4, vocab_size=70,
-                           policy_version=0, seed=i, group_id=f"group-{i:03d}")
-        await bus.publish(topic_name(run, "trajectories"), encode(group), partition=i % 2)
-        ids.append(group.group_id)
-    return ids
 
 
 async def intrude(bus, run: str) -> bool:
@@ -72,7 +55,7 @@ async def test_members_joining_and_leaving_the_group_retrain_nothing(bus_url, mo
         trainer = asyncio.create_task(loop.run(asyncio.Event()))
         published, joins = [], 0
         for round_ in range(ROUNDS):
-            published += await publish(bus, run, len(published), per_round)
+            published += await publish_numbered(bus, run, len(published), per_round)
             while len(ledger(tmp_path)) < (round_ + 1) * STEPS // ROUNDS:
                 assert not trainer.done(), trainer.result()
                 await asyncio.sleep(0.02)
@@ -80,12 +63,5 @@ async def test_members_joining_and_leaving_the_group_retrain_nothing(bus_url, mo
                 joins += await intrude(bus, run)
         await asyncio.wait_for(trainer, 300)
     assert joins >= 1
-    entries = ledger(tmp_path)
-    assert [e["step"] for e in entries] == list(range(1, STEPS + 1))
-    trained = [g for e in entries for g in e["trained"]]
-    assert len(trained) == len(set(trained)) == PER_STEP * STEPS, "a group was trained twice"
-    for parity in (0, 1):
-        sent = [g for i, g in enumerate(published) if i % 2 == parity]
-        got = [g for g in trained if int(g.split("-")[1]) % 2 == parity]
-        assert sorted(got) == sent[:len(got)], "a group was skipped"
+    assert_trained_once(ledger(tmp_path), published, steps=STEPS, per_step=PER_STEP)
     assert "partitions revoked" in caplog.text

@@ -8,8 +8,6 @@ import asyncio
 import time
 from dataclasses import replace
 
-import pytest
-
 from miles import rollout
 from miles.bus import open_bus
 from miles.engines.base import LoraSettings
@@ -22,31 +20,13 @@ from miles.rollout import RolloutConfig, RolloutWorker
 from miles.status import collect_status, format_status
 from miles.tasks.arithmetic import arithmetic_problems
 from miles.tasks.rewards import Scorer
-from miles.trainer import distributed
-from miles.trainer.learner import Learner
-from miles.weights.store import base_model_id, version_dir, write_version
+from miles.weights.store import base_model_id, version_dir
+from tests.integration.test_weight_loading import versions, wait_for  # noqa: F401 (fixture)
 from tests.rewards import starts_with_digit
 
 LORA = LoraSettings(r=4, alpha=8)
 
 
-@pytest.fixture(scope="module")
-def versions(model_dir, tmp_path_factory):
-    """Real adapters as versions 1 to 6 of a weight store."""
-    store = tmp_path_factory.mktemp("weights")
-    learner = Learner(model_dir, lora=LORA)
-    base = base_model_id(model_dir)
-    records = {v: write_version(store, policy_version=v, step=v, base_model=base,
-                                write=learner.export_weights) for v in range(1, 7)}
-    distributed.destroy()
-    return store, records
-
-
-async def wait_for(predicate, timeout_s: float = 30.0) -> None:
-    deadline = asyncio.get_running_loop().time() + timeout_s
-    while not predicate():
-        assert asyncio.get_running_loop().time() < deadline, "timed out"
-        await asyncio.sleep(0.05)
 
 
 def trainer_beat(policy_version: int, generation: int, consumed: int = 0) -> bytes:

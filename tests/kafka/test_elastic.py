@@ -17,7 +17,8 @@ from miles.protocol import TrajectoryGroup, decode
 from miles.protocol.topics import run_topics, topic_name
 from miles.tasks.arithmetic import arithmetic_problems
 from tests.conftest import unique_run
-from tests.kafka.test_rl_processes import ledger, spawn, trainer_settings
+from tests.accounting import ledger
+from tests.kafka.test_rl_processes import spawn, trainer_settings
 
 pytestmark = [pytest.mark.kafka, pytest.mark.slow]
 PROMPTS = 160

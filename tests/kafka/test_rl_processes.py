@@ -1,10 +1,9 @@
-"""Producer and trainer as separate processes on the real broker: versions advance, the
-producer hot-loads them (trainer on two ranks under torchrun), and a trainer killed with
-SIGKILL resumes exactly once."""
+"""Producer and trainer as separate processes on the real broker: versions advance and the
+producer hot-loads them (trainer on two ranks under torchrun). The process helpers here serve
+the other process tests (`test_trainer_faults.py`, `test_elastic.py`)."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 import signal
@@ -17,11 +16,11 @@ import pytest
 
 from miles.bus import open_bus
 from miles.feeder import feed
-from miles.protocol import WeightVersion, decode, encode
+from miles.protocol import WeightVersion, decode
 from miles.protocol.topics import run_topics, topic_name
 from miles.tasks.arithmetic import arithmetic_problems
 from tests.conftest import unique_run
-from tests.factories import make_group
+from tests.accounting import ledger
 
 pytestmark = [pytest.mark.kafka, pytest.mark.slow]
 REPO = Path(__file__).resolve().parents[2]
@@ -43,13 +42,6 @@ def spawn(module: str, settings: list[str], log: Path, launcher: tuple = ()) -> 
 def trainer_settings(bus: str, run: str, model_dir: Path, out: Path, **loop) -> list[str]:
     return [f"bus={bus}", f"model_dir={model_dir}", "learner.lr=0.01", f"loop.run={run}",
             f"loop.out_dir={out}"] + [f"loop.{k}={v}" for k, v in loop.items()]
-
-
-def ledger(out: Path) -> list[dict]:
-    path = out / "ledger.jsonl"
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line]
 
 
 def wait_exit(process: subprocess.Popen, log: Path, timeout_s: float) -> None:
@@ -93,41 +85,3 @@ async def test_producer_and_two_rank_trainer_processes(kafka_broker, model_dir, 
     metrics = [json.loads(line) for line in
                (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
     assert all(m["trainer/max_lag"] <= 1 for m in metrics)
-
-
-async def test_trainer_killed_mid_run_resumes_exactly_once(kafka_broker, model_dir, tmp_path):
-    run, per_step, steps = unique_run(), 4, 8
-    published: list[str] = []
-    async with open_bus(kafka_broker.url) as bus:
-        await bus.create_topics(run_topics(run, trajectory_partitions=2))
-        for i in range(per_step * steps + 6):
-            group = make_group(n_samples=4, n_tokens=3, prompt_tokens=4, vocab_size=70,
-                               policy_version=0, seed=i, group_id=f"group-{i:03d}")
-            await bus.publish(topic_name(run, "trajectories"), encode(group), partition=i % 2)
-            published.append(group.group_id)
-    out = tmp_path / "out"
-    settings = trainer_settings(kafka_broker.url, run, model_dir, out, groups_per_step=per_step,
-                                max_steps=steps, max_staleness=1000, checkpoint_every=1)
-    first = spawn("consumers.trainer", settings, tmp_path / "first.log")
-    deadline = time.monotonic() + 180
-    while len(ledger(out)) < 3 and time.monotonic() < deadline and first.poll() is None:
-        await asyncio.sleep(0.05)
-    first.send_signal(signal.SIGKILL)
-    first.wait(timeout=30)
-    before_kill = ledger(out)
-    assert 3 <= len(before_kill) < steps, (tmp_path / "first.log").read_text()[-3000:]
-
-    second = spawn("consumers.trainer", settings, tmp_path / "second.log")
-    wait_exit(second, tmp_path / "second.log", 240)
-    assert "resumed at step" in (tmp_path / "second.log").read_text()
-
-    entries = ledger(out)
-    assert [e["step"] for e in entries] == list(range(1, steps + 1))
-    trained = [g for e in entries for g in e["trained"]]
-    assert len(trained) == len(set(trained)) == per_step * steps, "a group was trained twice"
-    assert not any(e["dropped"] for e in entries)
-    # Nothing skipped: per partition, the trained groups are a prefix of what was published.
-    for parity in (0, 1):
-        sent = [g for i, g in enumerate(published) if i % 2 == parity]
-        got = [g for g in trained if int(g.split("-")[1]) % 2 == parity]
-        assert sorted(got) == sent[:len(got)]

@@ -19,12 +19,12 @@ from pathlib import Path
 import pytest
 
 from miles.bus import open_bus
-from miles.protocol import WeightVersion, decode, encode
+from miles.protocol import WeightVersion, decode
 from miles.protocol.topics import run_topics, topic_name
 from miles.trainer.checkpoint import checkpoint_step
+from tests.accounting import assert_trained_once, ledger, publish_numbered
 from tests.conftest import unique_run
-from tests.factories import make_group
-from tests.kafka.test_rl_processes import ledger, spawn, trainer_settings, wait_exit
+from tests.kafka.test_rl_processes import spawn, trainer_settings, wait_exit
 
 pytestmark = [pytest.mark.kafka, pytest.mark.slow]
 PER_STEP = 4
@@ -35,17 +35,10 @@ EXIT_FENCED = 3
 
 async def publish_groups(url: str, run: str, first: int, count: int,
                          *, create: bool = True) -> list[str]:
-    """Groups `group-<first>`.. alternating over two trajectory partitions (i % 2)."""
-    ids = []
     async with open_bus(url) as bus:
         if create:
             await bus.create_topics(run_topics(run, trajectory_partitions=2))
-        for i in range(first, first + count):
-            group = make_group(n_samples=4, n_tokens=3, prompt_tokens=4, vocab_size=70,
-                               policy_version=0, seed=i, group_id=f"group-{i:03d}")
-            await bus.publish(topic_name(run, "trajectories"), encode(group), partition=i % 2)
-            ids.append(group.group_id)
-    return ids
+        return await publish_numbered(bus, run, first, count)
 
 
 def metrics(out: Path) -> list[dict]:
@@ -53,14 +46,7 @@ def metrics(out: Path) -> list[dict]:
 
 
 def assert_exactly_once(out: Path, published: list[str], steps: int) -> None:
-    entries = ledger(out)
-    assert [e["step"] for e in entries] == list(range(1, steps + 1))
-    trained = [g for e in entries for g in e["trained"]]
-    assert len(trained) == len(set(trained)) == PER_STEP * steps, "a group was trained twice"
-    for parity in (0, 1):
-        sent = [g for i, g in enumerate(published) if i % 2 == parity]
-        got = [g for g in trained if int(g.split("-")[1]) % 2 == parity]
-        assert sorted(got) == sent[:len(got)], "a group was skipped"
+    assert_trained_once(ledger(out), published, steps=steps, per_step=PER_STEP)
     lines = metrics(out)
     assert [m["step"] for m in lines] == list(range(1, steps + 1))
     assert [m["trainer/groups_trained"] for m in lines] == \
@@ -96,9 +82,10 @@ async def test_a_trainer_paused_past_its_session_timeout_trains_nothing_twice(
     assert "partitions revoked" in (tmp_path / "trainer.log").read_text(), "no rebalance"
 
 
-@pytest.mark.parametrize("checkpoint_every, damage", [(1000, None), (1, "meta.json"),
+@pytest.mark.parametrize("checkpoint_every, damage", [(1, None), (1000, None), (1, "meta.json"),
                                                       (1, "latest")],
-                         ids=["no-checkpoint-yet", "newest-meta-missing", "latest-dangling"])
+                         ids=["killed-mid-run", "no-checkpoint-yet", "newest-meta-missing",
+                              "latest-dangling"])
 async def test_a_restarted_trainer_resumes_exactly_once(kafka_broker, model_dir, tmp_path,
                                                         checkpoint_every, damage):
     run, steps = unique_run(), 8
@@ -126,7 +113,7 @@ async def test_a_restarted_trainer_resumes_exactly_once(kafka_broker, model_dir,
     if damage == "meta.json":
         assert f"skipping checkpoint {checkpoints[-1]}" in log_text
         assert f"resumed at step {checkpoint_step(checkpoints[-2])}" in log_text
-    elif damage == "latest":
+    elif damage == "latest" or checkpoint_every == 1:
         assert f"resumed at step {checkpoint_step(checkpoints[-1])}" in log_text
     else:
         assert "started at step 0" in log_text
