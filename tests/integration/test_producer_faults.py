@@ -33,6 +33,23 @@ class FailsOnce(HFEngine):
         return super().generate(prompts, params, seed=seed)
 
 
+async def run_until_published(worker: RolloutWorker, groups: int, *,
+                              linger_s: float = 0.0) -> None:
+    """Run `worker` until it has published `groups` groups (and `linger_s` more), then stop it."""
+    stop = asyncio.Event()
+    running = asyncio.create_task(worker.run(stop))
+    try:
+        deadline = asyncio.get_running_loop().time() + 60
+        while worker.counts["producer/groups"] < groups:
+            assert not running.done(), running.result()
+            assert asyncio.get_running_loop().time() < deadline, worker.counts
+            await asyncio.sleep(0.05)
+        await asyncio.sleep(linger_s)
+    finally:
+        stop.set()
+        await asyncio.wait_for(running, 30)
+
+
 async def test_a_failed_batch_is_retried_and_every_prompt_published_once(model_dir,
                                                                          monkeypatch):
     monkeypatch.setattr(rollout, "ENGINE_RETRY_S", 0.1)
@@ -44,16 +61,7 @@ async def test_a_failed_batch_is_retried_and_every_prompt_published_once(model_d
                                Scorer(starts_with_digit), RolloutConfig(
             run=run, sampling=SamplingParams(n=2, max_new_tokens=3), prompts_per_batch=4,
             max_staleness=1000, heartbeat_s=60))
-        stop = asyncio.Event()
-        running = asyncio.create_task(worker.run(stop))
-        try:
-            deadline = asyncio.get_running_loop().time() + 60
-            while worker.counts["producer/groups"] < len(problems):
-                assert asyncio.get_running_loop().time() < deadline, worker.counts
-                await asyncio.sleep(0.05)
-        finally:
-            stop.set()
-            await asyncio.wait_for(running, 30)
+        await run_until_published(worker, len(problems))
         async with bus.consumer([topic_name(run, "trajectories")], group_id="audit") as audit:
             groups = [decode(r.value, TrajectoryGroup) for r in await audit.poll(timeout_s=1)]
     assert worker.counts["producer/engine_errors"] == 1
@@ -90,18 +98,7 @@ async def test_a_refused_commit_is_counted_and_the_producer_goes_on(model_dir, c
                                Scorer(starts_with_digit), RolloutConfig(
             run=run, sampling=SamplingParams(n=1, max_new_tokens=2), prompts_per_batch=2,
             max_staleness=1000, heartbeat_s=0.1))
-        stop = asyncio.Event()
-        running = asyncio.create_task(worker.run(stop))
-        try:
-            deadline = asyncio.get_running_loop().time() + 60
-            while worker.counts["producer/groups"] < len(problems):
-                assert not running.done(), running.result()
-                assert asyncio.get_running_loop().time() < deadline, worker.counts
-                await asyncio.sleep(0.05)
-            await asyncio.sleep(0.3)
-        finally:
-            stop.set()
-            await asyncio.wait_for(running, 30)
+        await run_until_published(worker, len(problems), linger_s=0.3)
         async with bus.consumer([topic_name(run, "status")], group_id="audit") as audit:
             beats = [decode(r.value, Heartbeat) for r in await audit.poll(timeout_s=1)]
     assert bus.refused == 1 and beats[-1].extra["commit_failures"] == 1
