@@ -21,6 +21,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from miles.bus.security import KafkaSecurity
 from miles.engines.base import LoraSettings
 from miles.errors import MilesError
 from miles.protocol import TrajectoryGroup, decode
@@ -30,6 +31,7 @@ from miles.service import daemon_main, wait_or_stop
 @dataclass(frozen=True, kw_only=True)
 class EvaluatorSettings:
     bus: str = "kafka://127.0.0.1:9092"  # kafka://HOST:PORT
+    kafka: KafkaSecurity = field(default_factory=KafkaSecurity)  # TLS/SASL (MILES_KAFKA__*)
     run: str = "demo"  # the run to follow: topics miles.<run>.*
     model_dir: Path = Path("model")  # the run's base model (from_pretrained)
     lora: LoraSettings | None = field(default_factory=LoraSettings)  # None: full weights
@@ -86,7 +88,7 @@ async def run_evaluator(settings: EvaluatorSettings, stop: asyncio.Event) -> dic
     problems = load_problems(settings.prompts, "test")[:settings.eval_problems]
     settings.out.parent.mkdir(parents=True, exist_ok=True)
     stats = StreamStats()
-    async with open_bus(settings.bus) as bus:
+    async with open_bus(settings.bus, settings.kafka) as bus:
         stream = bus.consumer([topic_name(settings.run, "trajectories")], from_beginning=False,
                               group_id=f"miles.{settings.run}.fanout-evaluator.trajectories")
         evaluator = Evaluator(bus, settings.run, settings.model_dir, settings.lora, problems,

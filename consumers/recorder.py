@@ -17,9 +17,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
+from miles.bus.security import KafkaSecurity
 from miles.service import daemon_main
 
 log = logging.getLogger("consumers.recorder")
@@ -28,6 +29,7 @@ log = logging.getLogger("consumers.recorder")
 @dataclass(frozen=True, kw_only=True)
 class RecorderSettings:
     bus: str = "kafka://127.0.0.1:9092"  # kafka://HOST:PORT
+    kafka: KafkaSecurity = field(default_factory=KafkaSecurity)  # TLS/SASL (MILES_KAFKA__*)
     run: str = "demo"  # the run to archive: reads miles.<run>.trajectories
     out_dir: Path = Path("runs/archive")  # Parquet files land here
     file_rows: int = 100_000  # a file closes once it holds this many rows (samples)
@@ -112,7 +114,7 @@ async def run_recorder(settings: RecorderSettings, stop: asyncio.Event) -> dict:
     from miles.experience.files import import_pyarrow
 
     import_pyarrow()  # fail at start, not at the first file, without the extra
-    async with open_bus(settings.bus) as bus:
+    async with open_bus(settings.bus, settings.kafka) as bus:
         return await Recorder(bus, settings).run(stop)
 
 

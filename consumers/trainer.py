@@ -14,6 +14,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from miles.bus.security import KafkaSecurity
 from miles.config import log_config, parse_config_args
 from miles.engines.base import LoraSettings
 from miles.rl.algorithm import preset_layers
@@ -29,6 +30,7 @@ EXIT_FENCED = 3
 @dataclass(frozen=True, kw_only=True)
 class TrainerSettings:
     bus: str = "kafka://127.0.0.1:9092"  # kafka://HOST:PORT (MILES_BUS)
+    kafka: KafkaSecurity = field(default_factory=KafkaSecurity)  # TLS/SASL (MILES_KAFKA__*)
     model_dir: Path = Path("model")  # Hugging Face model directory (from_pretrained)
     lora: LoraSettings | None = field(default_factory=LoraSettings)  # None: full fine-tuning
     torch_threads: int = 0  # 0 leaves torch's default
@@ -65,7 +67,7 @@ async def run_trainer(settings: TrainerSettings, runner, stop) -> dict:
     from miles.bus import open_bus
     from miles.trainer.loop import TrainerLoop
 
-    async with open_bus(settings.bus) as bus:
+    async with open_bus(settings.bus, settings.kafka) as bus:
         loop = TrainerLoop(bus, runner)
         return await loop.run(stop)
 

@@ -23,8 +23,11 @@ import socket
 import subprocess
 import time
 import uuid
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
+
+from miles import broker_security
 
 from miles.errors import BrokerError
 from miles.protocol.topics import TOPIC_MAX_MESSAGE_BYTES
@@ -63,10 +66,16 @@ class BrokerInfo:
     bootstrap: str
     kafka_version: str
     data_dir: str
+    secure: bool = False  # SASL_SSL with SCRAM users and ACLs (`miles.broker_security`)
 
 
 def default_data_dir() -> Path:
     return Path(os.environ.get("MILES_BROKER_DIR", Path.home() / ".local/share/miles/broker"))
+
+
+def resolve_dir(data_dir: Path | None) -> Path:
+    """The absolute data directory: `data_dir`, else the default one."""
+    return Path(data_dir or default_data_dir()).resolve()
 
 
 def default_libs_dir() -> Path:
@@ -164,11 +173,11 @@ def _cluster_id() -> str:
             return cluster_id
 
 
-def _format_storage(libs_dir: Path, data_dir: Path) -> None:
+def _format_storage(libs_dir: Path, data_dir: Path, extra: Sequence[str] = ()) -> None:
     if (data_dir / "kafka-logs" / "meta.properties").exists():
         return
     cmd = java_command(libs_dir, "kafka.tools.StorageTool", "format", "-t", _cluster_id(),
-                       "-c", str(data_dir / "server.properties"),
+                       "-c", str(data_dir / "server.properties"), *extra,
                        log_config=data_dir / "log4j2.properties")
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     if result.returncode != 0:
@@ -193,7 +202,7 @@ def _is_our_broker(pid: int, data_dir: Path) -> bool:
 
 def running_info(data_dir: Path | None = None) -> BrokerInfo | None:
     """The broker of `data_dir` if its process is alive, else None."""
-    data_dir = Path(data_dir or default_data_dir()).resolve()
+    data_dir = resolve_dir(data_dir)
     info = read_info(data_dir)
     if info is None or not _is_our_broker(info.pid, data_dir):
         return None
@@ -201,11 +210,16 @@ def running_info(data_dir: Path | None = None) -> BrokerInfo | None:
 
 
 def start_broker(*, data_dir: Path | None = None, port: int = DEFAULT_PORT,
-                 heap: str = DEFAULT_HEAP, timeout_s: float = START_TIMEOUT_S) -> BrokerInfo:
-    """Start (formatting on first use) a broker in the background; return once it serves."""
-    data_dir = Path(data_dir or default_data_dir()).resolve()
+                 heap: str = DEFAULT_HEAP, timeout_s: float = START_TIMEOUT_S,
+                 secure: bool = False) -> BrokerInfo:
+    """Start (formatting on first use) a broker in the background; return once it serves.
+    `secure`: SASL_SSL, SCRAM users and ACLs (`miles.broker_security`; `security.json`)."""
+    data_dir = resolve_dir(data_dir)
     existing = running_info(data_dir)
     if existing is not None:
+        if existing.secure != secure:
+            raise BrokerError(f"the broker of {data_dir} runs with secure={existing.secure}; "
+                              "stop it first or use another --data-dir")
         return existing
     if port_is_open(port):
         raise BrokerError(f"port {port} is already in use; pick another with --port")
@@ -213,9 +227,16 @@ def start_broker(*, data_dir: Path | None = None, port: int = DEFAULT_PORT,
     data_dir.mkdir(parents=True, exist_ok=True)
     controller_port = free_port()
     settings = server_settings(data_dir, port, controller_port)
-    (data_dir / "server.properties").write_text("".join(f"{k}={v}\n" for k, v in settings.items()))
+    format_args: list[str] = []
+    if secure:
+        setup = broker_security.prepare(data_dir, port, free_port())
+        settings.update(broker_security.secure_settings(setup, data_dir, port, controller_port))
+        format_args = broker_security.scram_format_args(setup)
+    properties = data_dir / "server.properties"
+    properties.write_text("".join(f"{k}={v}\n" for k, v in settings.items()))
+    properties.chmod(0o600)  # the secured broker's holds the admin password
     (data_dir / "log4j2.properties").write_text(LOG4J2_PROPERTIES)
-    _format_storage(libs_dir, data_dir)
+    _format_storage(libs_dir, data_dir, format_args)
     cmd = java_command(libs_dir, "kafka.Kafka", str(data_dir / "server.properties"), heap=heap,
                        log_config=data_dir / "log4j2.properties")
     cmd.insert(1, f"-Dkafka.logs.dir={data_dir / 'logs'}")
@@ -224,7 +245,7 @@ def start_broker(*, data_dir: Path | None = None, port: int = DEFAULT_PORT,
                                    stdin=subprocess.DEVNULL, start_new_session=True)
     info = BrokerInfo(pid=process.pid, port=port, controller_port=controller_port,
                       bootstrap=f"127.0.0.1:{port}", kafka_version=KAFKA_VERSION,
-                      data_dir=str(data_dir))
+                      data_dir=str(data_dir), secure=secure)
     (data_dir / "broker.json").write_text(json.dumps(asdict(info), indent=2))
     _wait_until_serving(process, info, data_dir, timeout_s)
     return info
@@ -234,12 +255,14 @@ def _wait_until_serving(process: subprocess.Popen, info: BrokerInfo, data_dir: P
                         timeout_s: float) -> None:
     from miles.bus.kafka import probe_cluster  # the only module that speaks Kafka
 
+    security = broker_security.client_security(data_dir) if info.secure else None
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if process.poll() is not None:
             raise BrokerError(f"broker exited with code {process.returncode}; "
                               f"see {data_dir / 'broker.log'}:\n{_log_tail(data_dir)}")
-        if port_is_open(info.port) and probe_cluster(info.bootstrap, timeout_s=5.0):
+        if port_is_open(info.port) and probe_cluster(info.bootstrap, timeout_s=5.0,
+                                                     security=security):
             return
         time.sleep(0.25)
     process.terminate()
@@ -256,7 +279,7 @@ def _log_tail(data_dir: Path, lines: int = 30) -> str:
 
 def stop_broker(*, data_dir: Path | None = None, timeout_s: float = STOP_TIMEOUT_S) -> bool:
     """SIGTERM the broker (controlled shutdown) and wait; False if none was running."""
-    data_dir = Path(data_dir or default_data_dir()).resolve()
+    data_dir = resolve_dir(data_dir)
     info = running_info(data_dir)
     if info is None:
         return False

@@ -15,7 +15,8 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from miles import broker
+from miles import acls as acl_rules
+from miles import broker, broker_security
 from miles.service import configure_logging
 from miles.errors import MilesError
 
@@ -29,6 +30,20 @@ def _add_broker_commands(sub: argparse._SubParsersAction) -> None:
                        help="where the broker keeps its log (default: $MILES_BROKER_DIR or "
                             "~/.local/share/miles/broker)")
     start.add_argument("--heap", default=broker.DEFAULT_HEAP, help="JVM heap, e.g. 1g")
+    start.add_argument("--secure", action="store_true",
+                       help="SASL_SSL (SCRAM) with a keytool CA, SCRAM users admin/trainer/"
+                            "producer/feeder/reader and ACLs (docs/security.md)")
+    start.add_argument("--acl-run", action="append", default=[], metavar="RUN",
+                       help="with --secure: give each built-in user its role's ACLs for run "
+                            "RUN (repeatable; default: demo)")
+    acls = actions.add_parser("acls", help="grant a user a role's ACLs for a run (secured "
+                                           "broker), or print them as kafka-acls commands")
+    acls.add_argument("--role", required=True, help=acl_rules.ROLE_HELP)
+    acls.add_argument("--user", required=True, help="the SCRAM user (principal User:USER)")
+    acls.add_argument("--run", required=True)
+    acls.add_argument("--data-dir", type=Path, default=None)
+    acls.add_argument("--print", action="store_true",
+                      help="only print the equivalent kafka-acls commands")
     for name, text in (("stop", "stop the broker (controlled shutdown)"),
                        ("status", "say whether the broker runs and where")):
         action = actions.add_parser(name, help=text)
@@ -37,8 +52,21 @@ def _add_broker_commands(sub: argparse._SubParsersAction) -> None:
 
 def _broker(args: argparse.Namespace) -> int:
     if args.action == "start":
-        info = broker.start_broker(data_dir=args.data_dir, port=args.port, heap=args.heap)
-        print(info.bootstrap)
+        info = broker.start_broker(data_dir=args.data_dir, port=args.port, heap=args.heap,
+                                   secure=args.secure)
+        if not args.secure:
+            print(info.bootstrap)
+            return 0
+        for run in args.acl_run or ["demo"]:
+            broker_security.grant_builtin_roles(Path(info.data_dir), run)
+        print(broker_security.connect_hint(Path(info.data_dir)))
+        return 0
+    if args.action == "acls":
+        rules = acl_rules.role_acls(args.role, args.user, args.run)
+        if args.print:
+            print("\n".join(acl_rules.kafka_acls_commands(rules)))
+            return 0
+        print(f"{broker_security.grant(broker.resolve_dir(args.data_dir), rules)} ACLs granted")
         return 0
     if args.action == "stop":
         stopped = broker.stop_broker(data_dir=args.data_dir)

@@ -30,6 +30,17 @@ class RecordTooLargeError(BusError):
     """A record is larger than the bus accepts; raised before anything is sent."""
 
 
+class AuthenticationError(BusError):
+    """The cluster refused this client's identity: a wrong password or user, a SASL mechanism
+    it does not offer, or a TLS handshake that failed (an unknown CA, a wrong host name).
+    Retrying with the same settings cannot help."""
+
+
+class AuthorizationError(BusError):
+    """The cluster knows this client but an ACL denies the operation (a topic, a consumer
+    group or the cluster); retrying cannot help until an admin grants it."""
+
+
 class BrokerError(MilesError):
     """The local Kafka broker could not be assembled, started, stopped or reached."""
 

@@ -10,6 +10,7 @@ import importlib.util
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from miles.bus.security import KafkaSecurity
 from miles.engines.base import LoraSettings, RolloutEngine
 from miles.engines.vllm_engine import VLLMEngineSettings
 from miles.engines.vllm_server import VLLMServerSettings
@@ -21,6 +22,7 @@ from miles.service import daemon_main
 @dataclass(frozen=True, kw_only=True)
 class ProducerSettings:
     bus: str = "kafka://127.0.0.1:9092"  # kafka://HOST:PORT (MILES_BUS)
+    kafka: KafkaSecurity = field(default_factory=KafkaSecurity)  # TLS/SASL (MILES_KAFKA__*)
     model_dir: Path = Path("model")  # Hugging Face model directory (from_pretrained)
     engine: str = "hf"  # rollout engine: hf, vllm-server (a running `vllm serve`) or vllm
     device: str = "cpu"
@@ -83,7 +85,7 @@ async def run_producer(settings: ProducerSettings, stop) -> dict:
     rollout = settings.rollout
     if not rollout.base_model:  # reject versions trained on another base
         rollout = replace(rollout, base_model=base_model_id(settings.model_dir))
-    async with open_bus(settings.bus) as bus:
+    async with open_bus(settings.bus, settings.kafka) as bus:
         worker = RolloutWorker(bus, engine, scorer, rollout)
         await worker.run(stop)
     return {**worker.counts, "load_latency_p50_s": worker.load_latency_p50()}

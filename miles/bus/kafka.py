@@ -1,12 +1,16 @@
-"""The Kafka bus: the only module that imports aiokafka.
+"""The Kafka bus: with its helpers `kafka_errors` and `kafka_acls`, the only code that imports
+aiokafka.
 
 Producer: idempotent, `acks=all`, zstd, a 5 ms linger and 4 MiB batches (the Python client, not
 the broker, limits throughput, so records are batched hard). Consumer: manual commits only,
 earliest reset by default, fetch sizes from `miles.protocol.topics` so no record the topic
 accepts can stall it. Every aiokafka exception is wrapped in `BusError` here; a commit refused
-because the group's membership changed raises its subclass `CommitFailedError`. Starting the
-bus or a consumer waits up to `START_TIMEOUT_S` for a broker that is not reachable yet (a
-daemon started during a broker restart), with one log line, before it fails.
+because the group's membership changed raises its subclass `CommitFailedError`, an ACL denial
+`AuthorizationError`, a refused password or failed TLS handshake `AuthenticationError`
+(`kafka_errors`). Starting the bus or a consumer waits up to `START_TIMEOUT_S` for a broker that
+is not reachable yet (a daemon started during a broker restart), with one log line, before it
+fails; a refused identity or a denied ACL fails at once. Every client (producer, consumers,
+admin, offsets reader, probe) gets the same TLS/SASL options (`miles.bus.security`).
 
 aiokafka's admin client does not raise per-topic errors from CreateTopics; they are read from the
 response and reported (an existing topic is not an error).
@@ -21,7 +25,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
+from collections.abc import Awaitable, Iterable, Mapping, Sequence
 from typing import Any
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
@@ -31,9 +35,13 @@ from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from aiokafka.admin.config_resource import ConfigResource, ConfigResourceType
 from aiokafka.errors import (CommitFailedError as KafkaCommitFailedError, IllegalGenerationError,
                              IllegalStateError, KafkaError, RebalanceInProgressError,
-                             UnknownMemberIdError)
+                             TopicAuthorizationFailedError, UnknownMemberIdError)
 
+from miles.acls import Acl
 from miles.bus import reconnects
+from miles.bus.kafka_errors import check_codes, denied, diagnose, retrying
+from miles.bus.kafka_errors import wrapped as _wrapped
+from miles.bus.security import KafkaSecurity
 from miles.bus.base import (Bus, Consumer, Delivery, Headers, RebalanceCallback, Record,
                             TopicInfo, TopicPartition, check_record_size)
 from miles.errors import BusError, CommitFailedError
@@ -47,8 +55,6 @@ REQUEST_TIMEOUT_MS = 40_000
 TOPIC_LOOKUP_TIMEOUT_S = 15.0
 TOPIC_ALREADY_EXISTS = 36
 log = logging.getLogger(__name__)
-START_TIMEOUT_S = 30.0  # how long starting a client waits for an unreachable broker
-START_RETRY_S = 1.0
 # Commit errors that mean the group's membership changed (IllegalStateError: the partition is
 # no longer assigned to this member): raised as `CommitFailedError`.
 MEMBERSHIP_ERRORS = (KafkaCommitFailedError, IllegalGenerationError, RebalanceInProgressError,
@@ -63,11 +69,14 @@ def parse_bootstrap(url: str) -> str:
     return address
 
 
-def probe_cluster(bootstrap: str, timeout_s: float = 5.0) -> bool:
+def probe_cluster(bootstrap: str, timeout_s: float = 5.0,
+                  security: KafkaSecurity | None = None) -> bool:
     """True when a broker at `bootstrap` answers a metadata request (blocking; no loop needed)."""
+    options = (security or KafkaSecurity()).client_options()
+
     async def probe() -> bool:
         admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap,
-                                    request_timeout_ms=int(timeout_s * 1000))
+                                    request_timeout_ms=int(timeout_s * 1000), **options)
         try:
             await asyncio.wait_for(admin.start(), timeout_s)
             await asyncio.wait_for(admin.describe_cluster(), timeout_s)
@@ -80,40 +89,14 @@ def probe_cluster(bootstrap: str, timeout_s: float = 5.0) -> bool:
     return asyncio.run(probe())
 
 
-async def _retrying(action: str, connect: Callable[[], Awaitable[None]]) -> None:
-    """`connect()` until it succeeds or `START_TIMEOUT_S` pass: a daemon that starts while the
-    broker restarts waits for it (one log line) instead of dying. BusError after that."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + START_TIMEOUT_S
-    warned = False
-    while True:
-        try:
-            with _wrapped(action):
-                await connect()
-            return
-        except BusError as err:
-            if loop.time() >= deadline:
-                raise
-            if not warned:
-                log.warning("%s: not reachable yet, retrying for up to %g s (%s)", action,
-                            START_TIMEOUT_S, err)
-                warned = True
-        await asyncio.sleep(START_RETRY_S)
-
-
-@contextlib.contextmanager
-def _wrapped(action: str):
-    try:
-        yield
-    except KafkaError as err:
-        raise BusError(f"{action} failed: {type(err).__name__}: {err}") from err
-
-
 class KafkaBus(Bus):
-    def __init__(self, url: str, *, client_id: str = "miles"):
+    def __init__(self, url: str, *, client_id: str = "miles",
+                 security: KafkaSecurity | None = None):
         self.url = url if url.startswith("kafka://") else f"kafka://{url}"
         self.bootstrap = parse_bootstrap(url)
         self.client_id = client_id
+        self.security = security or KafkaSecurity()
+        self.options = self.security.client_options()  # fails here, at start-up, not later
         reconnects.install()
         self._producer: AIOKafkaProducer | None = None
         self._admin: AIOKafkaAdminClient | None = None
@@ -121,17 +104,23 @@ class KafkaBus(Bus):
         self._known_topics: set[str] = set()
 
     async def start(self) -> None:
-        await _retrying(f"connecting to Kafka at {self.bootstrap}", self._connect)
+        await retrying(f"connecting to Kafka at {self.bootstrap}", self._connect,
+                       self.diagnose, self.security)
+
+    async def diagnose(self) -> BusError | None:
+        """Why clients cannot connect, when it is their identity or TLS (else None)."""
+        return await diagnose(self.bootstrap, self.security, self.options)
 
     async def _connect(self) -> None:
         self._producer = AIOKafkaProducer(
             bootstrap_servers=self.bootstrap, client_id=self.client_id,
             enable_idempotence=True, acks="all", compression_type=COMPRESSION,
             linger_ms=LINGER_MS, max_batch_size=MAX_BATCH_BYTES,
-            max_request_size=PRODUCER_MAX_REQUEST_BYTES, request_timeout_ms=REQUEST_TIMEOUT_MS)
+            max_request_size=PRODUCER_MAX_REQUEST_BYTES, request_timeout_ms=REQUEST_TIMEOUT_MS,
+            **self.options)
         self._admin = AIOKafkaAdminClient(bootstrap_servers=self.bootstrap,
                                           client_id=f"{self.client_id}-admin",
-                                          request_timeout_ms=REQUEST_TIMEOUT_MS)
+                                          request_timeout_ms=REQUEST_TIMEOUT_MS, **self.options)
         try:
             await self._producer.start()
             await self._admin.start()
@@ -142,14 +131,14 @@ class KafkaBus(Bus):
 
     async def close(self) -> None:
         if self._producer is not None:
-            with _wrapped("closing the producer"):
+            with _wrapped("closing the producer", self.security):
                 await self._producer.stop()
             self._producer = None
         if self._admin is not None:
             await self._admin.close()
             self._admin = None
         if self._offsets_reader is not None:
-            with _wrapped("closing the offsets reader"):
+            with _wrapped("closing the offsets reader", self.security):
                 await self._offsets_reader.stop()
             self._offsets_reader = None
 
@@ -163,10 +152,13 @@ class KafkaBus(Bus):
         admin = self._require(self._admin)
         new_topics = [NewTopic(s.name, s.partitions, 1, topic_configs=dict(s.configs))
                       for s in specs]
-        with _wrapped("creating topics"):
+        with _wrapped("creating topics", self.security):
             response = await admin.create_topics(new_topics)
         created, failures = [], []
-        for entry in response.to_object()["topic_errors"]:
+        entries = response.to_object()["topic_errors"]
+        check_codes("creating topics", [(e["topic"], e["error_code"]) for e in entries],
+                    self.security)
+        for entry in entries:
             code = entry["error_code"]
             if code == 0:
                 created.append(entry["topic"])
@@ -177,8 +169,10 @@ class KafkaBus(Bus):
         return created
 
     async def _partition_counts(self, names: list[str]) -> dict[str, int]:
-        with _wrapped("describing topics"):
+        with _wrapped("describing topics", self.security):
             metadata = await self._require(self._admin).describe_topics(names)
+        check_codes("describing topics", [(t["topic"], t["error_code"]) for t in metadata],
+                    self.security)
         missing = [t["topic"] for t in metadata if t["error_code"] != 0]
         if missing:
             raise BusError(f"topics do not exist: {', '.join(missing)}")
@@ -192,7 +186,7 @@ class KafkaBus(Bus):
     async def describe_topics(self, names: Iterable[str]) -> dict[str, TopicInfo]:
         names = list(names)
         partitions = await self._partition_counts(names)
-        with _wrapped("describing topics"):
+        with _wrapped("describing topics", self.security):
             configs = await self._require(self._admin).describe_configs(
                 [ConfigResource(ConfigResourceType.TOPIC, name) for name in names])
         result = {}
@@ -208,7 +202,7 @@ class KafkaBus(Bus):
                             ) -> dict[TopicPartition, tuple[int, int]]:
         tps = await self._partitions(topics)
         reader = await self._offsets()
-        with _wrapped("reading topic offsets"):
+        with _wrapped("reading topic offsets", self.security):
             first = await reader.beginning_offsets(tps)
             end = await reader.end_offsets(tps)
         return {TopicPartition(tp.topic, tp.partition): (first[tp], end[tp]) for tp in tps}
@@ -220,8 +214,8 @@ class KafkaBus(Bus):
             reader = AIOKafkaConsumer(bootstrap_servers=self.bootstrap,
                                       client_id=f"{self.client_id}-offsets", group_id=None,
                                       enable_auto_commit=False,
-                                      request_timeout_ms=REQUEST_TIMEOUT_MS)
-            with _wrapped("starting the offsets reader"):
+                                      request_timeout_ms=REQUEST_TIMEOUT_MS, **self.options)
+            with _wrapped("starting the offsets reader", self.security):
                 await reader.start()
             self._offsets_reader = reader
         return self._offsets_reader
@@ -232,7 +226,7 @@ class KafkaBus(Bus):
         if not tps:
             return {}
         admin = self._require(self._admin)
-        with _wrapped("reading consumer group offsets"):
+        with _wrapped("reading consumer group offsets", self.security):
             groups = sorted(group[0] for group in await admin.list_consumer_groups())
             fetched = await asyncio.gather(*(admin.list_consumer_group_offsets(g, partitions=tps)
                                              for g in groups))
@@ -250,7 +244,7 @@ class KafkaBus(Bus):
         producer = self._require(self._producer)
         check_record_size(topic, value, key, headers)
         await self._check_topic(producer, topic)
-        with _wrapped(f"publishing to {topic}"):
+        with _wrapped(f"publishing to {topic}", self.security):
             future = await producer.send(topic, value, key=key, partition=partition,
                                          headers=list(headers) if headers else None)
         return asyncio.ensure_future(self._delivery(topic, future))
@@ -260,20 +254,28 @@ class KafkaBus(Bus):
             return
         try:
             await asyncio.wait_for(producer.partitions_for(topic), TOPIC_LOOKUP_TIMEOUT_S)
+        except TopicAuthorizationFailedError as err:
+            raise denied(f"publishing to {topic}", "topic", topic, self.security) from err
         except (KafkaError, TimeoutError) as err:
             raise BusError(f"topic {topic!r} is unknown to the broker at {self.bootstrap}; "
                            "create it first (`miles topics create`)") from err
         self._known_topics.add(topic)
 
-    @staticmethod
-    async def _delivery(topic: str, future: asyncio.Future) -> Delivery:
-        with _wrapped(f"publishing to {topic}"):
+    async def _delivery(self, topic: str, future: asyncio.Future) -> Delivery:
+        with _wrapped(f"publishing to {topic}", self.security):
             metadata = await future
         return Delivery(metadata.topic, metadata.partition, metadata.offset)
 
     async def flush(self) -> None:
-        with _wrapped("flushing"):
+        with _wrapped("flushing", self.security):
             await self._require(self._producer).flush()
+
+    async def create_acls(self, acls: Iterable[Acl]) -> int:
+        """Allow the rules of `acls` (`miles.acls`); needs a super user. Kafka only."""
+        from miles.bus.kafka_acls import create_acls
+
+        with _wrapped("creating ACLs", self.security):
+            return await create_acls(self._require(self._admin), acls)
 
     def consumer(self, topics: Sequence[str], *, group_id: str, from_beginning: bool = True,
                  on_assigned: RebalanceCallback | None = None,
@@ -319,10 +321,12 @@ class KafkaConsumer(Consumer):
             bootstrap_servers=self.bus.bootstrap, client_id=self.bus.client_id,
             group_id=self.group_id, enable_auto_commit=False, auto_offset_reset=self._reset,
             max_partition_fetch_bytes=CONSUMER_MAX_PARTITION_FETCH_BYTES,
-            fetch_max_bytes=CONSUMER_FETCH_MAX_BYTES, request_timeout_ms=REQUEST_TIMEOUT_MS)
+            fetch_max_bytes=CONSUMER_FETCH_MAX_BYTES, request_timeout_ms=REQUEST_TIMEOUT_MS,
+            **self.bus.options)
 
     async def start(self) -> None:
-        await _retrying(f"starting consumer {self.group_id}", self._connect)
+        await retrying(f"starting consumer {self.group_id}", self._connect, self.bus.diagnose,
+                       self.bus.security)
 
     async def _connect(self) -> None:
         self._consumer.subscribe(self.topics, listener=self._listener)
@@ -337,11 +341,11 @@ class KafkaConsumer(Consumer):
     async def close(self) -> None:
         """Revoke (aiokafka does not on stop, the embedded bus does), then leave the group."""
         await self._listener.revoke(self.assignment())
-        with _wrapped(f"closing consumer {self.group_id}"):
+        with _wrapped(f"closing consumer {self.group_id}", self.bus.security):
             await self._consumer.stop()
 
     async def poll(self, max_records: int = 500, timeout_s: float = 1.0) -> list[Record]:
-        with _wrapped("polling"):
+        with _wrapped("polling", self.bus.security):
             batches = await self._consumer.getmany(timeout_ms=int(timeout_s * 1000),
                                                    max_records=max_records)
         return [Record(topic=r.topic, partition=r.partition, offset=r.offset, key=r.key,
@@ -352,7 +356,7 @@ class KafkaConsumer(Consumer):
         kafka_offsets = None if offsets is None else {
             _kafka_tp(tp): offset for tp, offset in offsets.items()}
         try:
-            with _wrapped("committing offsets"):
+            with _wrapped("committing offsets", self.bus.security):
                 await self._consumer.commit(kafka_offsets)
         except BusError as err:
             if isinstance(err.__cause__, MEMBERSHIP_ERRORS):
@@ -360,14 +364,14 @@ class KafkaConsumer(Consumer):
             raise
 
     async def committed(self, tp: TopicPartition) -> int | None:
-        with _wrapped("reading committed offset"):
+        with _wrapped("reading committed offset", self.bus.security):
             return await self._consumer.committed(_kafka_tp(tp))
 
     def assignment(self) -> set[TopicPartition]:
         return {TopicPartition(tp.topic, tp.partition) for tp in self._consumer.assignment()}
 
     async def position(self, tp: TopicPartition) -> int:
-        with _wrapped("reading position"):
+        with _wrapped("reading position", self.bus.security):
             return await self._consumer.position(_kafka_tp(tp))
 
     def seek(self, tp: TopicPartition, offset: int) -> None:
@@ -380,7 +384,7 @@ class KafkaConsumer(Consumer):
     async def seek_to_time(self, timestamp_ms: int,
                            tps: Iterable[TopicPartition] | None = None) -> dict[TopicPartition, int]:
         tps = list(self.assignment() if tps is None else tps)
-        with _wrapped("looking up offsets by time"):
+        with _wrapped("looking up offsets by time", self.bus.security):
             found = await self._consumer.offsets_for_times(
                 {_kafka_tp(tp): timestamp_ms for tp in tps})
         ends = await self.end_offsets(tps)
@@ -392,13 +396,13 @@ class KafkaConsumer(Consumer):
         return targets
 
     async def end_offsets(self, tps: Iterable[TopicPartition]) -> dict[TopicPartition, int]:
-        with _wrapped("reading end offsets"):
+        with _wrapped("reading end offsets", self.bus.security):
             ends = await self._consumer.end_offsets([_kafka_tp(tp) for tp in tps])
         return {TopicPartition(tp.topic, tp.partition): offset for tp, offset in ends.items()}
 
     async def beginning_offsets(self,
                                 tps: Iterable[TopicPartition]) -> dict[TopicPartition, int]:
-        with _wrapped("reading beginning offsets"):
+        with _wrapped("reading beginning offsets", self.bus.security):
             starts = await self._consumer.beginning_offsets([_kafka_tp(tp) for tp in tps])
         return {TopicPartition(tp.topic, tp.partition): offset for tp, offset in starts.items()}
 
