@@ -132,7 +132,7 @@ async def retrying(action: str, connect: Callable[[], Awaitable[None]],
                 raise BusError(f"{err} (security: {security.describe()}; check that the "
                                "listener speaks it, kafka.security_protocol)") from err
             if not warned:
-                log.warning("%s: not reachable yet, retrying for up to %g s (%s)", action,
+                log.warning("%s: not reachable yet, retrying for up to %.0f s (%s)", action,
                             deadline - loop.time(), err)
                 warned = True
         await asyncio.sleep(START_RETRY_S)
