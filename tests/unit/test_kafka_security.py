@@ -3,7 +3,6 @@ kept out of logs, reprs and error messages."""
 
 from __future__ import annotations
 
-import ssl
 
 import pytest
 
