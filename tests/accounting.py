@@ -10,6 +10,8 @@ from miles.protocol import encode
 from miles.protocol.topics import topic_name
 from tests.factories import make_group
 
+TINY_VOCAB_SIZE = 78  # the tiny test model's vocabulary: the trainer rejects any other
+
 
 def ledger(out: Path) -> list[dict]:
     path = Path(out) / "ledger.jsonl"
@@ -21,7 +23,7 @@ async def publish_numbered(bus, run: str, first: int, count: int) -> list[str]:
     """Groups `group-<first>`.. on trajectory partition i % 2 (of two); their ids in order."""
     ids = []
     for i in range(first, first + count):
-        group = make_group(n_samples=4, n_tokens=3, prompt_tokens=4, vocab_size=70,
+        group = make_group(n_samples=4, n_tokens=3, prompt_tokens=4, vocab_size=TINY_VOCAB_SIZE,
                            policy_version=0, seed=i, group_id=f"group-{i:03d}")
         await bus.publish(topic_name(run, "trajectories"), encode(group), partition=i % 2)
         ids.append(group.group_id)

@@ -22,7 +22,9 @@ Simplifications:
 - The budget counts the tokens of a forward, model rows x longest model row, what activation
   memory scales with. Samples (padded) or lines (packed) are sorted longest first and filled
   into micro-batches in order. A single sample longer than the budget gets a micro-batch of its
-  own: the budget is a target, and a long sample is trained rather than dropped.
+  own: the budget is a target, and a long sample is trained rather than dropped. (The trainer
+  loop admits no such sample: `miles.trainer.intake` dead-letters a group with a row over the
+  budget before it reaches a batch.)
 - One sampling setting (temperature, top_k, top_p) per micro-batch: rows are split by setting
   first, so a batch mixing settings gives more, smaller micro-batches, never an error.
 - Estimators that normalise over the batch (`reinforce_pp`) see all groups at once when every

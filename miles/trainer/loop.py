@@ -3,7 +3,8 @@
 Rank 0 talks to the bus; every rank trains. Each step rank 0 collects `groups_per_step` groups
 whose lag is within `max_staleness` (staler ones are dropped and counted; they stay in the log;
 with DAPO's dynamic sampling, groups whose rewards are all equal are filtered the same way and
-the shortfall is read from the stream),
+the shortfall is read from the stream; groups this trainer cannot train, by the rules of
+`miles.trainer.intake`, are dead-lettered with the reason as they are polled),
 ships their wire bytes to the other ranks (`broadcast_bytes`, no pickle), all ranks run the
 learner's step in a worker thread (the event loop keeps Kafka heartbeats alive), then rank 0
 writes the new adapter to the weight store and announces it on the control topic, reports
@@ -36,7 +37,7 @@ import logging
 import time
 from collections import Counter, OrderedDict, deque
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import msgpack
@@ -49,6 +50,7 @@ from miles.protocol.topics import topic_name
 from miles.trainer import distributed
 from miles.trainer.checkpoint import load_newest, save_checkpoint
 from miles.trainer.fence import Fence
+from miles.trainer.intake import IntakeConfig, TrainerLimits, check_group
 from miles.trainer.learner import Learner
 from miles.trainer.progress import Progress
 from miles.weights.store import discard_versions_after, prune_versions, write_version
@@ -67,6 +69,7 @@ class LoopConfig:
     checkpoint_every: int = 10  # steps between checkpoints (0: only at the end)
     keep_versions: int = 16  # newest weight versions kept in out_dir/weights (0: all)
     heartbeat_s: float = 1.0  # status-topic heartbeat period while waiting for data
+    intake: IntakeConfig = field(default_factory=IntakeConfig)  # what groups are admitted
 
     def __post_init__(self) -> None:
         if self.groups_per_step < 1:
@@ -213,6 +216,7 @@ class TrainerLoop:
         self.consumer = None
         self.reader: DecodingConsumer | None = None
         self._dead_lettered_before = 0  # by earlier incarnations (from the checkpoint)
+        self.limits = TrainerLimits.of(self.learner, self.config.intake)
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="learner")
 
     def _topic(self, kind: str) -> str:
@@ -316,7 +320,7 @@ class TrainerLoop:
                     self.buffer.extendleft(reversed(self.batch["trained"]))
                     self.batch["trained"] = []
                     return False
-                self.buffer.extend(await self.reader.poll(timeout_s=0.2))
+                self.buffer.extend(await self._admitted(await self.reader.poll(timeout_s=0.2)))
                 self.read_to.update(self.reader.polled)
                 self.counts["trainer/dead_lettered"] = \
                     self._dead_lettered_before + self.reader.counts["bus/dlq_records"]
@@ -333,6 +337,22 @@ class TrainerLoop:
             else:
                 self.batch["trained"].append(item)
         return True
+
+    async def _admitted(self, items: list[Decoded]) -> list[Decoded]:
+        """The groups of `items` this trainer can train (`miles.trainer.intake`); the others are
+        dead-lettered with the reason and counted. Nothing waits on a rejected group, so its
+        offset counts as consumed like a stale one's."""
+        admitted = []
+        for item in items:
+            rejection = check_group(item.value, self.limits,
+                                    policy_version=self.learner.policy_version)
+            if rejection is None:
+                admitted.append(item)
+                continue
+            await self.reader.dead_letter(item.record, str(rejection), rejection.field)
+            self.counts["trainer/rejected_groups"] += 1
+            self.counts[f"trainer/rejected/{rejection.rule}"] += 1
+        return admitted
 
     def _note_prompt(self, group: TrajectoryGroup) -> None:
         key = (group.task_id, group.epoch)

@@ -3,7 +3,9 @@
 The replay reads `miles.<run>.trajectories` over [start, end) with `miles.bus.ranges` (a fixed
 merge order, a consumer group of its own, nothing committed) and publishes nothing, so the live
 run never notices it. Each record is decoded with full validation; invalid ones are counted and
-skipped (the live trainer dead-lettered them already). Groups then pass the staleness rule and,
+skipped (the live trainer dead-lettered them already), and so are groups this learner cannot
+train (`miles.trainer.intake`, every rule but the versions one: the replay's versions count its
+own steps). Groups then pass the staleness rule and,
 under DAPO's dynamic sampling, the equal-rewards filter, and every `groups_per_step` of them make
 one `train_step` under whichever algorithm the settings choose. Advantages come from the
 recorded rewards and importance weights from the recorded behaviour logprobs, as live.
@@ -41,7 +43,9 @@ from miles.engines.base import LoraSettings
 from miles.errors import ConfigError
 from miles.experience.rows import read_groups
 from miles.protocol import TrajectoryGroup
+from miles.protocol.limits import MAX_POLICY_VERSION
 from miles.protocol.topics import topic_name
+from miles.trainer.intake import IntakeConfig, TrainerLimits, check_group
 from miles.trainer.learner import LearnerConfig
 from miles.trainer.loop import uniform_rewards
 from miles.trainer.progress import Progress
@@ -59,6 +63,7 @@ class ReplayConfig:
     staleness: Literal["recorded", "off"] = "recorded"  # lag vs recorded versions, or no filter
     max_staleness: int = 1  # staleness="recorded": groups with a larger lag are dropped
     max_steps: int = 0  # stop after this many steps (0: at the end of the range)
+    intake: IntakeConfig = field(default_factory=IntakeConfig)  # what groups are trained
 
     def __post_init__(self) -> None:
         parse_bound(self.start), parse_bound(self.end)  # ConfigError on a bad bound
@@ -91,6 +96,7 @@ class Replay:
         self.newest_recorded = 0
         self.step = 0
         self.progress = Progress()
+        self.limits = TrainerLimits.of(learner, config.intake)
 
     async def run(self) -> dict:
         if (self.out_dir / "metrics.jsonl").exists():
@@ -133,6 +139,12 @@ class Replay:
                 waited = time.monotonic()
 
     def _admit(self, group: TrajectoryGroup) -> bool:
+        rejection = check_group(group, self.limits, policy_version=MAX_POLICY_VERSION)
+        if rejection is not None:
+            log.warning("group %s not trained: %s", group.group_id, rejection)
+            self.counts["replay/rejected_groups"] += 1
+            self.counts[f"replay/rejected/{rejection.rule}"] += 1
+            return False
         versions = max(int(s.versions.max()) for s in group.samples)
         self.newest_recorded = max(self.newest_recorded, versions)
         if (self.config.staleness == "recorded"

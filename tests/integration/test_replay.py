@@ -18,7 +18,7 @@ from miles.trainer import distributed
 from miles.trainer.learner import Learner, LearnerConfig
 from miles.trainer.model import LoraSettings
 from miles.trainer.replay import Replay, ReplayConfig
-from tests.factories import make_group
+from tests.factories import make_group, make_sample
 
 VOCAB = 78  # the tiny character tokenizer
 LORA = LoraSettings(r=4, alpha=8)
@@ -93,3 +93,19 @@ async def test_an_earlier_replay_is_never_overwritten(bus, run, model_dir, tmp_p
     distributed.destroy()
     with pytest.raises(ConfigError, match="holds an earlier replay"):
         await replay(bus, run, model_dir, tmp_path)
+
+
+async def test_groups_the_learner_cannot_train_are_skipped(bus, run, model_dir, tmp_path):
+    """Valid on the wire, fatal (temperature 0) or NaN (reward 1e308) in a step."""
+    await record(bus, run)
+    topic = topic_name(run, "trajectories")
+    await bus.publish(topic, encode(make_group(4, 5, vocab_size=VOCAB, seed=20, group_id="cold",
+                                               sampling={"temperature": 0.0})), partition=1)
+    huge = make_group(vocab_size=VOCAB, group_id="huge", samples=[
+        make_sample(5, vocab_size=VOCAB, seed=21 + i, reward=r)
+        for i, r in enumerate((1e308, 0.0))])
+    await bus.publish(topic, encode(huge), partition=2)
+    summary, _ = await replay(bus, run, model_dir, tmp_path / "out", staleness="off")
+    assert summary["replay/rejected_groups"] == 2
+    assert summary["replay/rejected/sampling"] == summary["replay/rejected/rewards"] == 1
+    assert summary["replay/groups_trained"] == GROUPS
