@@ -295,11 +295,13 @@ class Learner:
                 algorithm=self.algorithm, outcomes=(mine[1], mine[2]), packed=self.packing)
         except DATA_ERRORS as err:
             error = err
-        most, failed = distributed.all_reduce_max(torch.tensor([len(batches), int(bool(error))]))
-        if error is not None:
-            raise StepError(f"{type(error).__name__}: {error}") from error
-        if failed:
-            raise StepError("another rank could not batch its share of the groups")
+        most, failing = distributed.all_reduce_max(  # failing: 1 + the last failing rank
+            torch.tensor([len(batches), rank + 1 if error is not None else 0]))
+        if failing:  # every rank raises that rank's reason
+            src = int(failing) - 1
+            reason = f"{type(error).__name__}: {error}" if rank == src else None
+            reason = distributed.broadcast_bytes(reason and reason.encode(), src=src).decode()
+            raise StepError(reason) from error
         return batches + [idle_micro_batch(pad_id=self.pad_id)] * (int(most) - len(batches))
 
     def train_step(self, groups: list[TrajectoryGroup], *, apply: bool = True
