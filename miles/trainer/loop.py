@@ -6,9 +6,15 @@ with DAPO's dynamic sampling, groups whose rewards are all equal are filtered th
 the shortfall is read from the stream),
 ships their wire bytes to the other ranks (`broadcast_bytes`, no pickle), all ranks run the
 learner's step in a worker thread (the event loop keeps Kafka heartbeats alive), then rank 0
-writes the new adapter to the weight store and announces it on the control topic, reports
-progress on the status topic, appends the step to `ledger.jsonl` and `metrics.jsonl`, and
-every `checkpoint_every` steps writes a checkpoint.
+dead-letters the groups that made the step fail, appends the step to `ledger.jsonl` (only once
+its update is done, listing only the groups in it), announces the new adapter it wrote to the
+weight store on the control topic, every `checkpoint_every` steps has all ranks write a
+checkpoint (a second step message, after the accounting it records), appends to
+`metrics.jsonl` and reports progress on the status topic.
+
+Failing steps: a step that is not finite or raises on its data changes nothing; every rank
+bisects the batch the same way (`miles.trainer.isolation`) and trains the rest in one update;
+the groups that fail come back to rank 0, which dead-letters them (`docs/delivery.md`).
 
 Re-generated prompts: a producer that dies after publishing but before committing its prompts
 has them re-delivered to another producer, which generates them again. A group whose prompt
