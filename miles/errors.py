@@ -57,6 +57,11 @@ class CheckpointError(MilesError):
     """A trainer checkpoint is incomplete, damaged or cannot be loaded or published."""
 
 
+class StepError(MilesError):
+    """A train step failed on its data (a non-finite loss or gradient norm, or an error raised
+    while processing the batch); the learner's weights and optimizer state are as before it."""
+
+
 class FencedError(MilesError):
     """A newer trainer generation took over this run's output folder; this trainer must stop
     without writing anything more."""

@@ -20,7 +20,11 @@ Simplifications:
   last: simple and memory-lean; LoRA gradients are small.
 - A rank with fewer micro-batches runs idle ones (no response token) so every rank makes the
   same FSDP collectives.
-- A step whose gradient norm is not finite is skipped (`trainer/skipped_step` = 1).
+- A step is all or nothing (`train_step`): one whose loss or gradient norm is not finite, or
+  that raises on its data, changes nothing and raises `StepError` on every rank; the caller
+  isolates the groups that cause it (`miles.trainer.isolation`). An error raised in a forward or
+  backward on some ranks only cannot be agreed on (the others wait in a collective): several
+  ranks isolate non-finite steps and batching errors; up-front validation keeps the rest out.
 """
 
 from __future__ import annotations
@@ -38,7 +42,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
-from miles.errors import ConfigError, MilesError
+from miles.errors import ConfigError, FencedError, MilesError, StepError
 from miles.protocol import TrajectoryGroup
 from miles.rl.advantages import gae_advantages, token_rewards
 from miles.rl.aggregation import Normalisers, aggregate_token_mean
@@ -53,6 +57,7 @@ from miles.trainer.model import (PRECISIONS, LoraSettings, apply_fsdp, compute_d
                                  enable_activation_checkpointing, export_adapter, export_full,
                                  fsdp_policies, load_policy, materialise_sharded,
                                  packing_supported, trainable_names)
+from miles.trainer.snapshot import Snapshot
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +65,18 @@ LOGPROB_FLOOR = -100.0
 """Trainer logprobs are floored here: a sampled token the trainer's top-k/top-p filter removes
 (logprob -inf, engine/trainer mismatch at the filter edge) gets a tiny importance weight and no
 gradient instead of a nan from -inf - -inf."""
+
+DATA_ERRORS = (MilesError, ArithmeticError, IndexError, ValueError)
+"""What a step raises because of its groups (a sampling setting it cannot re-score, an id past
+the embedding, an overflow): the step fails with `StepError` and its groups can be isolated.
+Anything else (TypeError, AttributeError, torch's RuntimeError, out of memory) is a bug or the
+machine and propagates unchanged. `ConfigError` and `FencedError` always propagate."""
+LOSS_SUMS = ("loss_sum", "value_loss_sum")  # the metrics whose non-finiteness fails a step
+
+
+def finite_losses(sums: dict[str, torch.Tensor]) -> bool:
+    """This rank's accumulated policy and value losses are finite."""
+    return all(bool(torch.isfinite(sums[k]).all()) for k in LOSS_SUMS if k in sums)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -271,17 +288,48 @@ class Learner:
         outcomes = outcomes or outcome_advantages(groups, self.algorithm)
         rank, world = distributed.rank(), distributed.world_size()
         mine = (groups[rank::world], outcomes[0][rank::world], outcomes[1][rank::world])
-        batches = make_micro_batches(mine[0], max_tokens=self.config.max_tokens_per_micro_batch,
-                                     pad_id=self.pad_id, algorithm=self.algorithm,
-                                     outcomes=(mine[1], mine[2]), packed=self.packing)
-        most = int(distributed.all_reduce_max(torch.tensor([len(batches)]))[0])
-        return batches + [idle_micro_batch(pad_id=self.pad_id)] * (most - len(batches))
+        batches, error = [], None
+        try:  # only this rank sees its share: the error is agreed on before anyone raises
+            batches = make_micro_batches(
+                mine[0], max_tokens=self.config.max_tokens_per_micro_batch, pad_id=self.pad_id,
+                algorithm=self.algorithm, outcomes=(mine[1], mine[2]), packed=self.packing)
+        except DATA_ERRORS as err:
+            error = err
+        most, failing = distributed.all_reduce_max(  # failing: 1 + the last failing rank
+            torch.tensor([len(batches), rank + 1 if error is not None else 0]))
+        if failing:  # every rank raises that rank's reason
+            src = int(failing) - 1
+            reason = f"{type(error).__name__}: {error}" if rank == src else None
+            reason = distributed.broadcast_bytes(reason and reason.encode(), src=src).decode()
+            raise StepError(reason) from error
+        return batches + [idle_micro_batch(pad_id=self.pad_id)] * (int(most) - len(batches))
 
-    def train_step(self, groups: list[TrajectoryGroup]) -> dict[str, float]:
+    def train_step(self, groups: list[TrajectoryGroup], *, apply: bool = True
+                   ) -> dict[str, float]:
         """One step on `groups` (the same list on every rank): `mini_batches` optimizer steps
-        (only the critic's during warm-up); returns the metrics."""
+        (only the critic's during warm-up); returns the metrics. `apply=False` probes: the same
+        forwards, backwards and checks, no optimizer step.
+
+        All or nothing: a non-finite loss or gradient norm, or a `DATA_ERRORS` exception, raises
+        `StepError` on every rank with the weights, optimizer state and versions as before the
+        step (a step of several mini-batches is undone from a `Snapshot`)."""
         if not groups:
             raise MilesError("train_step needs at least one trajectory group")
+        several = apply and self.algorithm.mini_batches > 1 and len(groups) > 1
+        snapshot = Snapshot(self.params, self.optimizer) if several else None
+        try:
+            return self._train_step(groups, apply)
+        except (ConfigError, FencedError):
+            raise
+        except DATA_ERRORS as err:
+            self.optimizer.zero_grad(set_to_none=True)
+            if snapshot is not None:
+                snapshot.restore()
+            if isinstance(err, StepError):
+                raise
+            raise StepError(f"{type(err).__name__}: {err}") from err
+
+    def _train_step(self, groups: list[TrajectoryGroup], apply: bool) -> dict[str, float]:
         rewards, advantages = outcome_advantages(groups, self.algorithm)
         indices = split_evenly(list(range(len(groups))), self.algorithm.mini_batches)
         slices = [self.micro_batches([groups[i] for i in part],
@@ -297,10 +345,10 @@ class Learner:
             normalisers = self._normalisers(batches, limit)
             for batch, extra in zip(batches, extras):
                 add_metrics(sums, self._accumulate(batch, extra, normalisers, train_actor))
-            norms.append(self._step())
-        self.steps += 1
-        if train_actor and any(math.isfinite(n) for n in norms):
-            self.policy_version += 1
+            norms.append(self._step(apply, finite_losses(sums)))
+        if apply:
+            self.steps += 1
+            self.policy_version += int(train_actor)
         return self._reduce(sums, norms, slices)
 
     def _normalisers(self, batches: list[MicroBatch], limit: int) -> Normalisers:
@@ -402,12 +450,17 @@ class Learner:
                       "value_sum": masked_sum(new_values),
                       "return_sum": masked_sum(extra.returns)}
 
-    def _step(self) -> float:
-        """Clip, step, zero the grads; returns the pre-clip global gradient norm (a
-        non-finite one skips the step)."""
+    def _step(self, apply: bool, losses_finite: bool) -> float:
+        """Clip, step (unless probing), zero the grads; returns the pre-clip global gradient
+        norm. A non-finite norm, or a non-finite loss on any rank, raises `StepError` on every
+        rank before the optimizer steps."""
         norm = torch.nn.utils.clip_grad_norm_(self.params, self.config.grad_clip)
         norm = float(norm.full_tensor() if isinstance(norm, DTensor) else norm)
-        if math.isfinite(norm):
+        losses_bad = distributed.any_rank(not losses_finite)
+        if losses_bad or not math.isfinite(norm):  # the same verdict and text on every rank
+            raise StepError(f"step non-finite: grad_norm={norm}"
+                            + (", loss not finite" if losses_bad else ""))
+        if apply:
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         return norm
@@ -424,7 +477,6 @@ class Learner:
             torch.stack([sums[k].double() for k in keys])).tolist())) if keys else {}
         out = {"trainer/grad_norm": max(norms), "trainer/tokens": tokens,
                "trainer/reward_mean": reward_sum / max(samples, 1.0),
-               "trainer/skipped_step": float(not all(math.isfinite(n) for n in norms)),
                "trainer/policy_version": float(self.policy_version)}
         if "tokens" in s:
             out.update(policy_metrics(s, sums))

@@ -7,9 +7,15 @@ the shortfall is read from the stream; groups this trainer cannot train, by the 
 `miles.trainer.intake`, are dead-lettered with the reason as they are polled),
 ships their wire bytes to the other ranks (`broadcast_bytes`, no pickle), all ranks run the
 learner's step in a worker thread (the event loop keeps Kafka heartbeats alive), then rank 0
-writes the new adapter to the weight store and announces it on the control topic, reports
-progress on the status topic, appends the step to `ledger.jsonl` and `metrics.jsonl`, and
-every `checkpoint_every` steps writes a checkpoint.
+dead-letters the groups that made the step fail, appends the step to `ledger.jsonl` (only once
+its update is done, listing only the groups in it), announces the new adapter it wrote to the
+weight store on the control topic, every `checkpoint_every` steps has all ranks write a
+checkpoint (a second step message, after the accounting it records), appends to
+`metrics.jsonl` and reports progress on the status topic.
+
+Failing steps: a step that is not finite or raises on its data changes nothing; every rank
+bisects the batch the same way (`miles.trainer.isolation`) and trains the rest in one update;
+the groups that fail come back to rank 0, which dead-letters them (`docs/delivery.md`).
 
 Re-generated prompts: a producer that dies after publishing but before committing its prompts
 has them re-delivered to another producer, which generates them again. A group whose prompt
@@ -51,6 +57,7 @@ from miles.trainer import distributed
 from miles.trainer.checkpoint import load_newest, save_checkpoint
 from miles.trainer.fence import Fence
 from miles.trainer.intake import IntakeConfig, TrainerLimits, check_group
+from miles.trainer.isolation import Isolation
 from miles.trainer.learner import Learner
 from miles.trainer.progress import Progress
 from miles.weights.store import discard_versions_after, prune_versions, write_version
@@ -85,7 +92,9 @@ def uniform_rewards(group: TrajectoryGroup) -> bool:
 
 
 def new_batch() -> dict[str, list[Decoded]]:
-    return {"trained": [], "dropped": [], "filtered": []}
+    """A step's groups by what became of them (the ledger's keys); `failed`: groups that made
+    the step fail, dead-lettered (filled once the step ran)."""
+    return {"trained": [], "dropped": [], "filtered": [], "failed": []}
 
 
 def truncate_steps(path: Path, step: int) -> None:
@@ -108,6 +117,17 @@ def unpack_step(payload: bytes) -> tuple[list[TrajectoryGroup], bool, dict]:
     return groups, message["checkpoint"], message["meta"]
 
 
+@dataclass
+class StepResult:
+    """What a step message did on this rank: the update's metrics ({} when nothing was
+    trained), the weight version to announce (rank 0, when the policy changed), and the
+    groups (by index in the message) that failed the step, with their reasons."""
+
+    metrics: dict[str, float] = field(default_factory=dict)
+    record: WeightVersion | None = None
+    failed: dict[int, str] = field(default_factory=dict)
+
+
 class StepRunner:
     """What every rank does, in the same order on all of them (each call is a collective):
     resume from the newest checkpoint, train a step, export its weights, checkpoint."""
@@ -119,6 +139,7 @@ class StepRunner:
         self.weights_dir = Path(config.out_dir) / "weights"
         self.checkpoints = Path(config.out_dir) / "checkpoints"
         self.fence: Fence | None = None  # rank 0's generation, taken by `resume`
+        self.isolation = Isolation()
 
     def resume(self) -> tuple[dict | None, WeightVersion | None]:
         """Take the next trainer generation, load the newest checkpoint that verifies (if any),
@@ -158,23 +179,26 @@ class StepRunner:
         if distributed.any_rank(error is not None):
             raise error or FencedError("rank 0 found a newer trainer generation")
 
-    def step(self, payload: bytes) -> tuple[dict[str, float], WeightVersion | None] | None:
-        """Run one step message broadcast by rank 0; None when the message says stop."""
+    def step(self, payload: bytes) -> StepResult | None:
+        """Run one step message broadcast by rank 0; None when the message says stop. Groups
+        that make the step fail are left out of its update (`Isolation`) and come back in
+        `failed` (by their index in the message) for rank 0 to dead-letter."""
         payload = distributed.broadcast_bytes(payload if distributed.is_main() else None)
         if not payload:
             return None
         groups, checkpoint, meta = unpack_step(payload)
-        metrics, record = {}, None
+        result = StepResult()
         if groups:
             version = self.learner.policy_version
-            metrics = self.learner.train_step(groups)
+            outcome = self.isolation.train(self.learner, groups)
+            result.metrics, result.failed = outcome.metrics, outcome.failed
             if self.learner.policy_version != version:
                 self.check_fence()
-                record = self.export(step=meta["step"])
+                result.record = self.export(step=meta["step"])
         if checkpoint:
             save_checkpoint(self.checkpoints, meta["step"], self.learner.state_dict(), meta,
                             fence=self.fence.check if self.fence else None)
-        return metrics, record
+        return result
 
     def follow(self) -> None:
         """Ranks other than 0: resume, then run steps until rank 0 broadcasts stop (which it
@@ -322,8 +346,7 @@ class TrainerLoop:
                     return False
                 self.buffer.extend(await self._admitted(await self.reader.poll(timeout_s=0.2)))
                 self.read_to.update(self.reader.polled)
-                self.counts["trainer/dead_lettered"] = \
-                    self._dead_lettered_before + self.reader.counts["bus/dlq_records"]
+                self._count_dead_letters()
                 if time.monotonic() - last_beat > self.config.heartbeat_s:
                     self.runner.fence.check()  # an idle zombie must not hold partitions
                     await self._heartbeat()
@@ -366,34 +389,59 @@ class TrainerLoop:
     # -- train --------------------------------------------------------------------------------
 
     async def _train(self) -> None:
+        """Run the step, then account for it: dead-letter the groups that failed it, write its
+        ledger line (only now: a step that crashes leaves none, and its groups are read again
+        from the positions of the last checkpoint), announce, checkpoint, report."""
         began = time.perf_counter()
         batch, self.batch = self.batch, new_batch()
-        groups = batch["trained"]
         self.step += 1
-        self._count(batch)
+        version = self.learner.policy_version  # what the groups' lags were judged against
         self.positions = self._next_offsets()
-        checkpoint = bool(self.config.checkpoint_every) and \
-            self.step % self.config.checkpoint_every == 0
         self.runner.fence.check()
-        self._write_ledger(batch)
-        payload = pack_step([g.record.value for g in groups], checkpoint=checkpoint,
-                            meta=self._meta())
-        metrics, record = await self._blocking(self.runner.step, payload)
-        if record is not None:
-            await self._announce(record)
-        if checkpoint:
+        payload = pack_step([g.record.value for g in batch["trained"]], checkpoint=False,
+                            meta={"step": self.step})
+        result = await self._blocking(self.runner.step, payload)
+        await self._dead_letter_failed(batch, result.failed)
+        self._count(batch, version)
+        self.runner.fence.check()
+        self._write_ledger(batch, version)
+        if result.record is not None:
+            await self._announce(result.record)
+        if self.config.checkpoint_every and self.step % self.config.checkpoint_every == 0:
+            await self._checkpoint()
             await self._commit()
-        self._write_metrics(metrics, groups, time.perf_counter() - began)
+        self._write_metrics(result.metrics, batch["trained"], time.perf_counter() - began)
         await self._heartbeat()
 
-    def _count(self, batch: dict[str, list[Decoded]]) -> None:
+    async def _dead_letter_failed(self, batch: dict[str, list[Decoded]],
+                                  failed: dict[int, str]) -> None:
+        """Move the groups that failed the step from `trained` to `failed`, dead-lettered."""
+        trained = batch["trained"]
+        batch["trained"] = [g for i, g in enumerate(trained) if i not in failed]
+        batch["failed"] = [trained[i] for i in sorted(failed)]
+        for index in sorted(failed):
+            await self.reader.dead_letter(trained[index].record,
+                                          f"train step failed: {failed[index]}", "train_step")
+        self._count_dead_letters()
+
+    def _count_dead_letters(self) -> None:
+        self.counts["trainer/dead_lettered"] = \
+            self._dead_lettered_before + self.reader.counts["bus/dlq_records"]
+
+    async def _checkpoint(self) -> None:
+        """Every rank saves the checkpoint of the step just accounted for (a collective)."""
+        self.runner.fence.check()
+        await self._blocking(self.runner.step, pack_step([], checkpoint=True, meta=self._meta()))
+
+    def _count(self, batch: dict[str, list[Decoded]], version: int) -> None:
         for item in (d for items in batch.values() for d in items):
             self._note_prompt(item.value)
         for item in batch["trained"]:
-            self.lags[item.value.lag(self.learner.policy_version)] += 1
+            self.lags[item.value.lag(version)] += 1
         self.counts["trainer/groups_trained"] += len(batch["trained"])
         self.counts["trainer/dropped_stale"] += len(batch["dropped"])
         self.counts["trainer/filtered_groups"] += len(batch["filtered"])
+        self.counts["trainer/failed_groups"] += len(batch["failed"])
 
     def _meta(self) -> dict:
         """What a checkpoint of this step records besides the learner's state."""
@@ -415,9 +463,7 @@ class TrainerLoop:
         if self.step and (not self.config.checkpoint_every or
                           self.step % self.config.checkpoint_every):
             self.positions = self._next_offsets()
-            self.runner.fence.check()
-            await self._blocking(self.runner.step, pack_step([], checkpoint=True,
-                                                             meta=self._meta()))
+            await self._checkpoint()
         await self._commit()
 
     async def _commit(self) -> None:
@@ -434,8 +480,10 @@ class TrainerLoop:
 
     # -- reporting ----------------------------------------------------------------------------
 
-    def _write_ledger(self, batch: dict[str, list[Decoded]]) -> None:
-        entry = {"step": self.step, "policy_version": self.learner.policy_version,
+    def _write_ledger(self, batch: dict[str, list[Decoded]], version: int) -> None:
+        """The step's line, written once its update is done: `policy_version` is the version
+        its groups were judged against (before the update), `trained` the groups in it."""
+        entry = {"step": self.step, "policy_version": version,
                  "generation": self.runner.fence.generation,
                  **{kind: [g.value.group_id for g in items] for kind, items in batch.items()}}
         with open(self.out_dir / "ledger.jsonl", "a") as f:

@@ -3,6 +3,7 @@
 Run under `torchrun --nproc_per_node N` (N ranks) or plain `python` (one self-initialised rank):
     fsdp_worker.py MODEL_DIR OUT_DIR ALGO [RESUME_CHECKPOINT]
     fsdp_worker.py MODEL_DIR OUT_DIR gradients
+    fsdp_worker.py MODEL_DIR OUT_DIR isolation
 The groups reach ranks > 0 through `broadcast_bytes` (wire encoding). Without a checkpoint: one
 step, OUT_DIR/metrics.json and OUT_DIR/adapter/ (peft format), a checkpoint OUT_DIR/ckpt/, a
 second step and OUT_DIR/adapter2/. With one: load it (saved on any number of ranks), take the
@@ -10,11 +11,15 @@ second step, write OUT_DIR/adapter2/. `gradients`: for each case of `GRADIENT_CA
 and loss aggregation, each under packed and padded micro-batches with a small and a large token
 budget), the full fine-tuning gradients of the first optimizer step, before clipping, in
 OUT_DIR/gradients.safetensors (keys CASE/LAYOUT/BUDGET/PARAMETER), and each run's micro-batch
-count in OUT_DIR/micro_batches.json.
+count in OUT_DIR/micro_batches.json. `isolation`: one `Isolation.train` of six groups, two of
+which fail the step in rank 1's share on two ranks (1: NaN planted in the model's forward, 3: a
+temperature the trainer cannot re-score, raised while batching); each rank writes what it
+decided to OUT_DIR/isolation-RANK.json.
 """
 
 import json
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -26,9 +31,11 @@ from miles.protocol import decode, encode
 from miles.rl.algorithm import AlgorithmConfig, preset
 from miles.trainer import distributed
 from miles.trainer.checkpoint import load_checkpoint, save_checkpoint
+from miles.trainer.isolation import Isolation
 from miles.trainer.learner import Learner, LearnerConfig
 from miles.trainer.model import LoraSettings
 from tests.factories import make_group, make_sample
+from tests.poison import good_groups, plant, poisoned
 
 
 def fixed_groups() -> list:
@@ -98,14 +105,14 @@ def first_step_gradients(learner: Learner, groups: list) -> dict[str, torch.Tens
     captured: dict[str, torch.Tensor] = {}
     step = learner._step
 
-    def capture() -> float:
+    def capture(*args) -> float:
         if not captured:  # the first optimizer step only
             for name, param in learner.trained.named_parameters():
                 if param.grad is not None:
                     grad = param.grad.full_tensor() if isinstance(param.grad, DTensor) \
                         else param.grad
                     captured[name] = grad.clone()
-        return step()
+        return step(*args)
 
     learner._step = capture
     learner.train_step(groups)
@@ -136,8 +143,28 @@ def gradients(model_dir: str, out_dir: str) -> None:
     distributed.destroy()
 
 
+def isolation(model_dir: str, out_dir: str) -> None:
+    learner = Learner(model_dir, LearnerConfig(lr=1e-3, max_tokens_per_micro_batch=40),
+                      lora=LoraSettings(r=4, alpha=8))
+    plant(learner.model, "nan")
+    groups = good_groups(6)
+    groups[1] = poisoned(groups[1])
+    groups[3] = replace(groups[3], sampling={**groups[3].sampling, "temperature": 0.0})
+    outcome = Isolation().train(learner, groups)
+    report = {"world_size": distributed.world_size(), "trained": outcome.trained,
+              "failed": {str(i): reason for i, reason in outcome.failed.items()},
+              "policy_version": learner.policy_version,
+              "tokens": outcome.metrics["trainer/tokens"]}
+    out = Path(out_dir) / f"isolation-{distributed.rank()}.json"
+    out.write_text(json.dumps(report, indent=2))
+    distributed.barrier()
+    distributed.destroy()
+
+
 if __name__ == "__main__":
     if sys.argv[3] == "gradients":
         gradients(*sys.argv[1:3])
+    elif sys.argv[3] == "isolation":
+        isolation(*sys.argv[1:3])
     else:
         main(*sys.argv[1:5])

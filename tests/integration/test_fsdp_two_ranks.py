@@ -1,5 +1,6 @@
-"""Two FSDP2 ranks (torchrun, gloo, CPU) take the same step as one rank, and gradients do not
-depend on ranks, micro-batching or sequence packing.
+"""Two FSDP2 ranks (torchrun, gloo, CPU) take the same step as one rank, gradients do not
+depend on ranks, micro-batching or sequence packing, and both ranks isolate the same failing
+groups as one rank does although only one of them sees the failure.
 
 Each run is a subprocess (`fsdp_worker.py`), so no process group leaks into the test process.
 """
@@ -116,3 +117,23 @@ def test_a_checkpoint_saved_on_two_ranks_restarts_on_one(tmp_path):
     for name, tensor in two.items():
         assert_close(one[name], tensor, atol=1e-5, rtol=0, msg=name)
     assert any(not torch.equal(two[n], first[n]) for n in two)  # the second step moved them
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(2 * WORKER_TIMEOUT_S + 60)
+def test_two_ranks_isolate_the_groups_only_one_rank_sees_fail(tmp_path):
+    """Groups 1 (NaN in the forward) and 3 (a batching error) are both in rank 1's share:
+    rank 0 must reach the same verdicts, probes and update, or the ranks would deadlock."""
+    model_dir = build_tiny_model(tmp_path / "tiny", hidden_size=64, layers=2)
+    run_worker(model_dir, tmp_path / "one", ranks=None, algo="isolation")
+    run_worker(model_dir, tmp_path / "two", ranks=2, algo="isolation")
+    reports = [json.loads((tmp_path / folder / f"isolation-{rank}.json").read_text())
+               for folder, rank in (("one", 0), ("two", 0), ("two", 1))]
+    assert [r["world_size"] for r in reports] == [1, 2, 2]
+    for report in reports:
+        assert report["trained"] == [0, 2, 4, 5] and sorted(report["failed"]) == ["1", "3"]
+        assert report["policy_version"] == 1
+        assert report["failed"]["1"].startswith("step non-finite: grad_norm=nan")
+        assert "temperature=0.0" in report["failed"]["3"]
+    assert reports[1] == reports[2], "the ranks disagree"
+    assert reports[0]["tokens"] == reports[1]["tokens"]

@@ -121,7 +121,7 @@ def test_sharded_load_starts_from_the_checkpoint_and_trains(model_dir, algo, lor
     if sharded.reference is not None:
         assert_close(logits(sharded, sharded.reference), expected, atol=1e-6, rtol=1e-6)
     metrics = sharded.train_step([make_group(4, 6, vocab_size=VOCAB, seed=s) for s in range(3)])
-    assert metrics["trainer/skipped_step"] == 0.0 and sharded.policy_version == 1
+    assert sharded.policy_version == 1  # a non-finite step would raise
     assert ("trainer/value_loss" in metrics) == (algo == "ppo")
     assert (logits(sharded) - expected).abs().max() > 1e-5  # the step moved the policy
 
@@ -141,4 +141,4 @@ def test_bf16_stores_frozen_weights_in_bf16_and_trained_ones_in_fp32(model_dir):
     assert {p.dtype for p in full.model.parameters()} == {torch.float32}
     assert {p.dtype for p in full.reference.parameters()} == {torch.bfloat16}
     metrics = full.train_step([make_group(4, 6, vocab_size=VOCAB, seed=s) for s in range(3)])
-    assert metrics["trainer/skipped_step"] == 0.0 and math.isfinite(metrics["trainer/kl_ref"])
+    assert math.isfinite(metrics["trainer/kl_ref"])  # a non-finite step would raise

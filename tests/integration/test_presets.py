@@ -57,7 +57,6 @@ def test_every_preset_trains_a_step(model_dir, name):
     before = params(learner.model)
     metrics = learner.train_step(groups())
     assert all(math.isfinite(v) for v in metrics.values()), metrics
-    assert metrics["trainer/skipped_step"] == 0.0
     assert learner.policy_version == 1
     moved = changed(before, params(learner.model))
     assert any("lora_B" in n and ".default." in n for n in moved), sorted(moved)

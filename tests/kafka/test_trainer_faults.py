@@ -4,7 +4,8 @@ trained groups are a prefix of what was published), counters that never restart.
 
 - a trainer paused (SIGSTOP) longer than its consumer session: the group evicts it, it rejoins;
 - a trainer killed before its first checkpoint, or whose newest checkpoint is damaged, restarts;
-- `kill -9` of the torchrun agent orphans its worker; the trainer started next fences it.
+- `kill -9` of the torchrun agent orphans its worker; the trainer started next fences it;
+- a trainer killed while a step's update runs has no ledger line for that step.
 """
 
 from __future__ import annotations
@@ -117,6 +118,38 @@ async def test_a_restarted_trainer_resumes_exactly_once(kafka_broker, model_dir,
         assert f"resumed at step {checkpoint_step(checkpoints[-1])}" in log_text
     else:
         assert "started at step 0" in log_text
+
+
+@pytest.mark.parametrize("checkpoint_every", [1, 1000], ids=["checkpointed", "no-checkpoint"])
+async def test_a_trainer_killed_mid_step_has_no_ledger_line_for_it(kafka_broker, model_dir,
+                                                                   tmp_path, monkeypatch,
+                                                                   checkpoint_every):
+    """SIGKILL while step 3's update runs (steps slowed by `slow_trainer`): the ledger lists
+    steps 1 and 2 only (the groups of step 3 were never in an update), and the restarted
+    trainer trains every group exactly once."""
+    run, steps, killed_in = unique_run(), 5, 3
+    published = await publish_groups(kafka_broker.url, run, 0, PER_STEP * steps + 6)
+    out = tmp_path / "out"
+    marker = tmp_path / "step_running"
+    monkeypatch.setenv("MILES_TEST_STEP_MARKER", str(marker))
+    monkeypatch.setenv("MILES_TEST_STEP_SLEEP_S", "2")
+    settings = trainer_settings(kafka_broker.url, run, model_dir, out,
+                                groups_per_step=PER_STEP, max_steps=steps, max_staleness=1000,
+                                checkpoint_every=checkpoint_every)
+    first = spawn("tests.kafka.slow_trainer", settings, tmp_path / "first.log")
+    deadline = time.monotonic() + 180
+    while not (marker.exists() and marker.read_text() == str(killed_in)):
+        assert time.monotonic() < deadline and first.poll() is None, \
+            (tmp_path / "first.log").read_text()[-3000:]
+        await asyncio.sleep(0.02)
+    first.send_signal(signal.SIGKILL)
+    first.wait(timeout=30)
+    assert [e["step"] for e in ledger(out)] == [1, 2], "a ledger line for the killed step"
+    assert [m["step"] for m in metrics(out)] == [1, 2]
+
+    second = spawn("consumers.trainer", settings, tmp_path / "second.log")
+    wait_exit(second, tmp_path / "second.log", 240)
+    assert_exactly_once(out, published, steps)
 
 
 def children(pid: int) -> list[int]:
