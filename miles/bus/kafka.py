@@ -9,7 +9,9 @@ because the group's membership changed raises its subclass `CommitFailedError`, 
 `AuthorizationError`, a refused password or failed TLS handshake `AuthenticationError`
 (`kafka_errors`). Starting the bus or a consumer waits up to `START_TIMEOUT_S` for a broker that
 is not reachable yet (a daemon started during a broker restart), with one log line, before it
-fails; a refused identity or a denied ACL fails at once. Every client (producer, consumers,
+fails; a refused identity or a denied ACL fails at once. Each attempt builds fresh clients
+(one whose start failed cannot start again) and closes them when it fails, so a refused start
+leaves no client unclosed. Every client (producer, consumers,
 admin, offsets reader, probe) gets the same TLS/SASL options (`miles.bus.security`).
 
 aiokafka's admin client does not raise per-topic errors from CreateTopics; they are read from the
@@ -124,8 +126,8 @@ class KafkaBus(Bus):
         try:
             await self._producer.start()
             await self._admin.start()
-        except KafkaError:
-            with contextlib.suppress(KafkaError):
+        except BaseException:
+            with contextlib.suppress(BusError):  # a failed start closes what it made
                 await self.close()
             raise
 
@@ -215,8 +217,13 @@ class KafkaBus(Bus):
                                       client_id=f"{self.client_id}-offsets", group_id=None,
                                       enable_auto_commit=False,
                                       request_timeout_ms=REQUEST_TIMEOUT_MS, **self.options)
-            with _wrapped("starting the offsets reader", self.security):
-                await reader.start()
+            try:
+                with _wrapped("starting the offsets reader", self.security):
+                    await reader.start()
+            except BaseException:
+                with contextlib.suppress(KafkaError):
+                    await reader.stop()
+                raise
             self._offsets_reader = reader
         return self._offsets_reader
 
@@ -313,7 +320,7 @@ class KafkaConsumer(Consumer):
         self.topics = topics
         self.group_id = group_id
         self._reset = "earliest" if from_beginning else "latest"
-        self._consumer = self._client()
+        self._started: AIOKafkaConsumer | None = None  # the client, once it has started
         self._listener = _Listener(on_assigned, on_revoked)
 
     def _client(self) -> AIOKafkaConsumer:
@@ -329,20 +336,32 @@ class KafkaConsumer(Consumer):
                        self.bus.security)
 
     async def _connect(self) -> None:
-        self._consumer.subscribe(self.topics, listener=self._listener)
+        """One attempt with a fresh client (one whose start failed cannot start again); a
+        refused or failed start stops the client it made, so nothing is left unclosed."""
+        client = self._client()
+        client.subscribe(self.topics, listener=self._listener)
         try:
-            await self._consumer.start()
-        except KafkaError:
+            await client.start()
+        except BaseException:
             with contextlib.suppress(KafkaError):
-                await self._consumer.stop()
-            self._consumer = self._client()  # a client whose start failed is not started again
+                await client.stop()
             raise
+        self._started = client
+
+    @property
+    def _consumer(self) -> AIOKafkaConsumer:
+        if self._started is None:
+            raise BusError(f"consumer {self.group_id} is not started (or already closed)")
+        return self._started
 
     async def close(self) -> None:
         """Revoke (aiokafka does not on stop, the embedded bus does), then leave the group."""
+        if self._started is None:
+            return
         await self._listener.revoke(self.assignment())
+        client, self._started = self._started, None
         with _wrapped(f"closing consumer {self.group_id}", self.bus.security):
-            await self._consumer.stop()
+            await client.stop()
 
     async def poll(self, max_records: int = 500, timeout_s: float = 1.0) -> list[Record]:
         with _wrapped("polling", self.bus.security):
@@ -368,7 +387,9 @@ class KafkaConsumer(Consumer):
             return await self._consumer.committed(_kafka_tp(tp))
 
     def assignment(self) -> set[TopicPartition]:
-        return {TopicPartition(tp.topic, tp.partition) for tp in self._consumer.assignment()}
+        if self._started is None:
+            return set()
+        return {TopicPartition(tp.topic, tp.partition) for tp in self._started.assignment()}
 
     async def position(self, tp: TopicPartition) -> int:
         with _wrapped("reading position", self.bus.security):
