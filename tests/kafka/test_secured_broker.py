@@ -95,6 +95,22 @@ async def test_missing_acls_get_clear_errors(secured, run):
             await producer.create_topics(run_topics(unique_run()))
 
 
+async def test_only_the_live_daemons_join_their_groups(secured, run):
+    """Whoever joins the trainer's or the producers' prompt group takes its partitions and
+    commits its offsets: readers (and producers, for the trainer's) are denied both."""
+    trajectories, prompts = topic_name(run, "trajectories"), topic_name(run, "prompts")
+    async with secured.bus("reader") as reader:
+        for topic, group in ((trajectories, "trainer"), (prompts, "producers")):
+            with pytest.raises(AuthorizationError, match=f"access to group miles.{run}.{group}"):
+                await read_one(reader, topic, f"miles.{run}.{group}")
+    async with secured.bus("producer") as producer:
+        with pytest.raises(AuthorizationError, match=f"access to group miles.{run}.trainer"):
+            await read_one(producer, prompts, f"miles.{run}.trainer")
+    async with secured.bus("trainer") as trainer:
+        with pytest.raises(AuthorizationError, match="access to topic"):
+            await read_one(trainer, topic_name(run, "control"), f"miles.{run}.trainer")
+
+
 @contextlib.contextmanager
 def nothing_left_unclosed(caplog):
     """Fails when a Kafka client made inside is never closed: aiokafka warns (ResourceWarning)
