@@ -8,7 +8,10 @@ each other for `rl_seconds` of wall-clock, measure held-out accuracy again, writ
 Embedded bus (default): producer and trainer run in this process on one event loop, each in its
 own worker thread (generation is the smaller half, so both keep torch's default threads). Kafka bus:
 producer and trainer are separate processes (`python -m producers.rollout`,
-`python -m consumers.trainer`); this process feeds the prompts and evaluates.
+`python -m consumers.trainer`); this process feeds the prompts and evaluates. Its `kafka`
+section (TLS/SASL, or `MILES_KAFKA__*`) is written into each daemon's settings file, so every
+process of a demo connects as the same user (a deployment gives each role its own,
+docs/security.md); the password stays in the environment or its file.
 
 While training runs an evaluator follows the announced weight versions and measures held-out
 accuracy on `eval_problems` problems at most every `eval_every_s` seconds; its time counts in the
@@ -32,6 +35,7 @@ import yaml
 
 from consumers.trainer import TrainerSettings
 from miles.bus import open_bus
+from miles.bus.security import KafkaSecurity
 from miles.config import log_config
 from miles.engines.base import LoraSettings
 from miles.engines.hf import HFEngine
@@ -58,6 +62,7 @@ CACHE = Path.home() / ".cache" / "miles" / "demo"
 @dataclass(frozen=True, kw_only=True)
 class DemoConfig:
     bus: str = "embedded://"
+    kafka: KafkaSecurity = field(default_factory=KafkaSecurity)  # TLS/SASL for every process
     out_dir: Path = Path("runs/demo")
     run: str = ""  # topics are miles.RUN.*; "": "demo" embedded, "demo-<UTC time>" on Kafka
     model_dir: Path | None = None  # a checkpoint to start from (default: the built tiny model)
@@ -135,7 +140,8 @@ def daemon_settings(config: DemoConfig, model_dir: Path) -> dict:
     from consumers.evaluator import EvaluatorSettings
     from consumers.recorder import RecorderSettings
 
-    common = {"bus": config.bus, "model_dir": model_dir, "lora": config.lora}
+    common = {"bus": config.bus, "kafka": config.kafka, "model_dir": model_dir,
+              "lora": config.lora}
     return {
         "producer": ProducerSettings(**common, reward=config.reward, torch_threads=1,
                                      reward_timeout_s=config.reward_timeout_s,
@@ -145,7 +151,7 @@ def daemon_settings(config: DemoConfig, model_dir: Path) -> dict:
         "evaluator": EvaluatorSettings(**common, run=config.run, prompts=config.prompts,
                                        reward=config.reward, every_s=config.eval_every_s,
                                        out=config.out_dir / "evaluation.jsonl"),
-        "recorder": RecorderSettings(bus=config.bus, run=config.run,
+        "recorder": RecorderSettings(bus=config.bus, kafka=config.kafka, run=config.run,
                                      out_dir=config.out_dir / "archive", file_seconds=30.0),
     }
 
@@ -194,7 +200,7 @@ async def run_demo(config: DemoConfig, stop: asyncio.Event) -> dict:
     warm_s = time.monotonic() - began
     held_out = load_problems(config.eval_prompts or config.prompts, "test")
     fresh_out_dir(config.out_dir)
-    async with open_bus(config.bus) as bus:
+    async with open_bus(config.bus, config.kafka) as bus:
         await bus.create_topics(run_topics(config.run, prompt_partitions=1,
                                            trajectory_partitions=1))
         await feed(bus, config.run, load_problems(config.prompts, "train"), epochs=2)

@@ -3,10 +3,15 @@
 The broker is started through `miles.broker` (the code users run), in a temporary data
 directory on a free port. Set MILES_TEST_BOOTSTRAP=HOST:PORT to use an already running broker
 instead (the broker-restart test is then skipped, since it must own the broker).
+
+The secured broker (`miles broker start --secure`: SASL_SSL, SCRAM users, ACLs) is another one
+per session, started only when a test asks for `secured` (keytool and the format run once);
+`secured_run` gives a test a fresh run whose built-in users have their roles' ACLs.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import tempfile
 import uuid
@@ -18,6 +23,8 @@ import pytest
 from miles import broker
 from miles.bus import open_bus
 from miles.protocol.topics import run_topics
+
+SECURED_HEAP = "512m"
 
 
 @dataclass
@@ -88,4 +95,57 @@ async def run(bus) -> str:
     """A fresh run name whose five topics exist on `bus`."""
     name = unique_run()
     await bus.create_topics(run_topics(name, prompt_partitions=3, trajectory_partitions=3))
+    return name
+
+
+@dataclass(frozen=True)
+class SecuredBroker:
+    data_dir: Path
+    url: str
+
+    def security(self, user: str, **changes):
+        """`user`'s client settings (its password in a file), with `changes` applied."""
+        from miles import broker_security
+
+        security = broker_security.client_security(self.data_dir, user)
+        return dataclasses.replace(security, **changes)
+
+    def bus(self, user: str, **changes):
+        from miles.bus.kafka import KafkaBus
+
+        return KafkaBus(self.url, security=self.security(user, **changes))
+
+    def env(self, user: str) -> dict[str, str]:
+        """The variables a process of `user`'s role reads its credentials from (the password
+        in `MILES_KAFKA_PASSWORD`, as a deployment would pass a secret)."""
+        security = self.security(user)
+        return {"MILES_KAFKA__SECURITY_PROTOCOL": "SASL_SSL",
+                "MILES_KAFKA__SASL_USERNAME": user,
+                "MILES_KAFKA__SSL_CAFILE": str(security.ssl_cafile),
+                "MILES_KAFKA_PASSWORD": security.password()}
+
+
+@pytest.fixture(scope="session")
+def secured():
+    with tempfile.TemporaryDirectory(prefix="miles-test-secured-") as tmp:
+        info = broker.start_broker(data_dir=Path(tmp), port=broker.free_port(),
+                                   heap=SECURED_HEAP, secure=True)
+        try:
+            yield SecuredBroker(Path(info.data_dir), f"kafka://{info.bootstrap}")
+        finally:
+            broker.stop_broker(data_dir=Path(tmp))
+
+
+@pytest.fixture
+async def secured_run(secured) -> str:
+    """A fresh run on the secured broker: each built-in user has its role's ACLs for it, and
+    its topics exist (created by the trainer role, which may)."""
+    import asyncio
+
+    from miles import broker_security
+
+    name = unique_run()
+    await asyncio.to_thread(broker_security.grant_builtin_roles, secured.data_dir, name)
+    async with secured.bus("trainer") as bus:
+        await bus.create_topics(run_topics(name, prompt_partitions=1, trajectory_partitions=1))
     return name

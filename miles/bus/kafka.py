@@ -1,16 +1,18 @@
-"""The Kafka bus: with its helpers `kafka_errors` and `kafka_acls`, the only code that imports
-aiokafka.
+"""The Kafka bus: with its helpers `kafka_consumer`, `kafka_errors` and `kafka_acls`, the only
+code that imports aiokafka.
 
 Producer: idempotent, `acks=all`, zstd, a 5 ms linger and 4 MiB batches (the Python client, not
-the broker, limits throughput, so records are batched hard). Consumer: manual commits only,
-earliest reset by default, fetch sizes from `miles.protocol.topics` so no record the topic
-accepts can stall it. Every aiokafka exception is wrapped in `BusError` here; a commit refused
-because the group's membership changed raises its subclass `CommitFailedError`, an ACL denial
-`AuthorizationError`, a refused password or failed TLS handshake `AuthenticationError`
-(`kafka_errors`). Starting the bus or a consumer waits up to `START_TIMEOUT_S` for a broker that
-is not reachable yet (a daemon started during a broker restart), with one log line, before it
-fails; a refused identity or a denied ACL fails at once. Every client (producer, consumers,
-admin, offsets reader, probe) gets the same TLS/SASL options (`miles.bus.security`).
+the broker, limits throughput, so records are batched hard). Consumers (`kafka_consumer`):
+manual commits only, earliest reset by default, fetch sizes from `miles.protocol.topics` so no
+record the topic accepts can stall them. Every aiokafka exception is wrapped in `BusError` here;
+a commit refused because the group's membership changed raises its subclass
+`CommitFailedError`, an ACL denial `AuthorizationError`, a refused password or failed TLS
+handshake `AuthenticationError` (`kafka_errors`). Starting the bus or a consumer waits up to
+`START_TIMEOUT_S` for a broker that is not reachable yet (a daemon started during a broker
+restart), with one log line, before it fails; a refused identity or a denied ACL fails at once.
+Each attempt builds fresh clients (one whose start failed cannot start again) and closes them
+when it fails, so a refused start leaves no client unclosed. Every client (producer,
+consumers, admin, offsets reader, probe) gets the same TLS/SASL options (`miles.bus.security`).
 
 aiokafka's admin client does not raise per-topic errors from CreateTopics; they are read from the
 response and reported (an existing topic is not an error).
@@ -25,28 +27,27 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Awaitable, Iterable, Mapping, Sequence
-from typing import Any
+from collections.abc import Awaitable, Iterable, Sequence
+from typing import TYPE_CHECKING, Any
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 from aiokafka import TopicPartition as KafkaTopicPartition
-from aiokafka.abc import ConsumerRebalanceListener
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from aiokafka.admin.config_resource import ConfigResource, ConfigResourceType
-from aiokafka.errors import (CommitFailedError as KafkaCommitFailedError, IllegalGenerationError,
-                             IllegalStateError, KafkaError, RebalanceInProgressError,
-                             TopicAuthorizationFailedError, UnknownMemberIdError)
+from aiokafka.errors import KafkaError, TopicAuthorizationFailedError
 
 from miles.acls import Acl
 from miles.bus import reconnects
 from miles.bus.kafka_errors import check_codes, denied, diagnose, retrying
 from miles.bus.kafka_errors import wrapped as _wrapped
 from miles.bus.security import KafkaSecurity
-from miles.bus.base import (Bus, Consumer, Delivery, Headers, RebalanceCallback, Record,
-                            TopicInfo, TopicPartition, check_record_size)
-from miles.errors import BusError, CommitFailedError
-from miles.protocol.topics import (CONSUMER_FETCH_MAX_BYTES, CONSUMER_MAX_PARTITION_FETCH_BYTES,
-                                   PRODUCER_MAX_REQUEST_BYTES, TopicSpec)
+from miles.bus.base import (Bus, Delivery, Headers, RebalanceCallback, TopicInfo, TopicPartition,
+                            check_record_size)
+from miles.errors import BusError
+from miles.protocol.topics import PRODUCER_MAX_REQUEST_BYTES, TopicSpec
+
+if TYPE_CHECKING:
+    from miles.bus.kafka_consumer import KafkaConsumer
 
 COMPRESSION = "zstd"
 LINGER_MS = 5
@@ -55,10 +56,6 @@ REQUEST_TIMEOUT_MS = 40_000
 TOPIC_LOOKUP_TIMEOUT_S = 15.0
 TOPIC_ALREADY_EXISTS = 36
 log = logging.getLogger(__name__)
-# Commit errors that mean the group's membership changed (IllegalStateError: the partition is
-# no longer assigned to this member): raised as `CommitFailedError`.
-MEMBERSHIP_ERRORS = (KafkaCommitFailedError, IllegalGenerationError, RebalanceInProgressError,
-                     UnknownMemberIdError, IllegalStateError)
 
 
 def parse_bootstrap(url: str) -> str:
@@ -124,8 +121,8 @@ class KafkaBus(Bus):
         try:
             await self._producer.start()
             await self._admin.start()
-        except KafkaError:
-            with contextlib.suppress(KafkaError):
+        except BaseException:
+            with contextlib.suppress(BusError):  # a failed start closes what it made
                 await self.close()
             raise
 
@@ -215,8 +212,13 @@ class KafkaBus(Bus):
                                       client_id=f"{self.client_id}-offsets", group_id=None,
                                       enable_auto_commit=False,
                                       request_timeout_ms=REQUEST_TIMEOUT_MS, **self.options)
-            with _wrapped("starting the offsets reader", self.security):
-                await reader.start()
+            try:
+                with _wrapped("starting the offsets reader", self.security):
+                    await reader.start()
+            except BaseException:
+                with contextlib.suppress(KafkaError):
+                    await reader.stop()
+                raise
             self._offsets_reader = reader
         return self._offsets_reader
 
@@ -280,134 +282,7 @@ class KafkaBus(Bus):
     def consumer(self, topics: Sequence[str], *, group_id: str, from_beginning: bool = True,
                  on_assigned: RebalanceCallback | None = None,
                  on_revoked: RebalanceCallback | None = None) -> KafkaConsumer:
+        from miles.bus.kafka_consumer import KafkaConsumer
+
         return KafkaConsumer(self, list(topics), group_id, from_beginning,
                              on_assigned, on_revoked)
-
-
-class _Listener(ConsumerRebalanceListener):
-    def __init__(self, on_assigned: RebalanceCallback | None,
-                 on_revoked: RebalanceCallback | None):
-        self._on_assigned = on_assigned
-        self._on_revoked = on_revoked
-
-    async def on_partitions_revoked(self, revoked: Iterable[KafkaTopicPartition]) -> None:
-        await self.revoke({TopicPartition(tp.topic, tp.partition) for tp in revoked})
-
-    async def revoke(self, revoked: set[TopicPartition]) -> None:
-        if self._on_revoked is not None and revoked:
-            await self._on_revoked(revoked)
-
-    async def on_partitions_assigned(self, assigned: Iterable[KafkaTopicPartition]) -> None:
-        if self._on_assigned is not None:
-            await self._on_assigned({TopicPartition(tp.topic, tp.partition) for tp in assigned})
-
-
-def _kafka_tp(tp: TopicPartition) -> KafkaTopicPartition:
-    return KafkaTopicPartition(tp.topic, tp.partition)
-
-
-class KafkaConsumer(Consumer):
-    def __init__(self, bus: KafkaBus, topics: list[str], group_id: str, from_beginning: bool,
-                 on_assigned: RebalanceCallback | None, on_revoked: RebalanceCallback | None):
-        self.bus = bus
-        self.topics = topics
-        self.group_id = group_id
-        self._reset = "earliest" if from_beginning else "latest"
-        self._consumer = self._client()
-        self._listener = _Listener(on_assigned, on_revoked)
-
-    def _client(self) -> AIOKafkaConsumer:
-        return AIOKafkaConsumer(
-            bootstrap_servers=self.bus.bootstrap, client_id=self.bus.client_id,
-            group_id=self.group_id, enable_auto_commit=False, auto_offset_reset=self._reset,
-            max_partition_fetch_bytes=CONSUMER_MAX_PARTITION_FETCH_BYTES,
-            fetch_max_bytes=CONSUMER_FETCH_MAX_BYTES, request_timeout_ms=REQUEST_TIMEOUT_MS,
-            **self.bus.options)
-
-    async def start(self) -> None:
-        await retrying(f"starting consumer {self.group_id}", self._connect, self.bus.diagnose,
-                       self.bus.security)
-
-    async def _connect(self) -> None:
-        self._consumer.subscribe(self.topics, listener=self._listener)
-        try:
-            await self._consumer.start()
-        except KafkaError:
-            with contextlib.suppress(KafkaError):
-                await self._consumer.stop()
-            self._consumer = self._client()  # a client whose start failed is not started again
-            raise
-
-    async def close(self) -> None:
-        """Revoke (aiokafka does not on stop, the embedded bus does), then leave the group."""
-        await self._listener.revoke(self.assignment())
-        with _wrapped(f"closing consumer {self.group_id}", self.bus.security):
-            await self._consumer.stop()
-
-    async def poll(self, max_records: int = 500, timeout_s: float = 1.0) -> list[Record]:
-        with _wrapped("polling", self.bus.security):
-            batches = await self._consumer.getmany(timeout_ms=int(timeout_s * 1000),
-                                                   max_records=max_records)
-        return [Record(topic=r.topic, partition=r.partition, offset=r.offset, key=r.key,
-                       value=r.value, headers=tuple(r.headers), timestamp_ms=r.timestamp)
-                for records in batches.values() for r in records]
-
-    async def commit(self, offsets: Mapping[TopicPartition, int] | None = None) -> None:
-        kafka_offsets = None if offsets is None else {
-            _kafka_tp(tp): offset for tp, offset in offsets.items()}
-        try:
-            with _wrapped("committing offsets", self.bus.security):
-                await self._consumer.commit(kafka_offsets)
-        except BusError as err:
-            if isinstance(err.__cause__, MEMBERSHIP_ERRORS):
-                raise CommitFailedError(str(err)) from err.__cause__
-            raise
-
-    async def committed(self, tp: TopicPartition) -> int | None:
-        with _wrapped("reading committed offset", self.bus.security):
-            return await self._consumer.committed(_kafka_tp(tp))
-
-    def assignment(self) -> set[TopicPartition]:
-        return {TopicPartition(tp.topic, tp.partition) for tp in self._consumer.assignment()}
-
-    async def position(self, tp: TopicPartition) -> int:
-        with _wrapped("reading position", self.bus.security):
-            return await self._consumer.position(_kafka_tp(tp))
-
-    def seek(self, tp: TopicPartition, offset: int) -> None:
-        if tp not in self.assignment():
-            raise BusError(f"{tp} is not assigned to this consumer")
-        if offset < 0:
-            raise BusError(f"cannot seek {tp} to negative offset {offset}")
-        self._consumer.seek(_kafka_tp(tp), offset)
-
-    async def seek_to_time(self, timestamp_ms: int,
-                           tps: Iterable[TopicPartition] | None = None) -> dict[TopicPartition, int]:
-        tps = list(self.assignment() if tps is None else tps)
-        with _wrapped("looking up offsets by time", self.bus.security):
-            found = await self._consumer.offsets_for_times(
-                {_kafka_tp(tp): timestamp_ms for tp in tps})
-        ends = await self.end_offsets(tps)
-        targets = {}
-        for tp in tps:
-            hit = found.get(_kafka_tp(tp))
-            targets[tp] = hit.offset if hit is not None else ends[tp]
-            self.seek(tp, targets[tp])
-        return targets
-
-    async def end_offsets(self, tps: Iterable[TopicPartition]) -> dict[TopicPartition, int]:
-        with _wrapped("reading end offsets", self.bus.security):
-            ends = await self._consumer.end_offsets([_kafka_tp(tp) for tp in tps])
-        return {TopicPartition(tp.topic, tp.partition): offset for tp, offset in ends.items()}
-
-    async def beginning_offsets(self,
-                                tps: Iterable[TopicPartition]) -> dict[TopicPartition, int]:
-        with _wrapped("reading beginning offsets", self.bus.security):
-            starts = await self._consumer.beginning_offsets([_kafka_tp(tp) for tp in tps])
-        return {TopicPartition(tp.topic, tp.partition): offset for tp, offset in starts.items()}
-
-    def pause(self, *tps: TopicPartition) -> None:
-        self._consumer.pause(*(_kafka_tp(tp) for tp in tps))
-
-    def resume(self, *tps: TopicPartition) -> None:
-        self._consumer.resume(*(_kafka_tp(tp) for tp in tps))

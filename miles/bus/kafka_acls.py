@@ -20,7 +20,7 @@ from miles.errors import AuthorizationError, BusError
 RESOURCE_TYPES = {"topic": 2, "group": 3}
 PATTERN_LITERAL, PATTERN_PREFIXED = 3, 4
 OPERATIONS = {"Read": 3, "Write": 4, "Create": 5, "Describe": 8, "DescribeConfigs": 10}
-PERMISSION_ALLOW = 3
+PERMISSIONS = {"Deny": 2, "Allow": 3}
 ANY_HOST = "*"
 CLUSTER_AUTHORIZATION_FAILED = 31
 
@@ -48,4 +48,4 @@ def _request(acl: Acl) -> CreateAclsRequest:
         resource_type=RESOURCE_TYPES[acl.resource], resource_name=acl.name,
         resource_pattern_type_filter=PATTERN_PREFIXED if acl.prefixed else PATTERN_LITERAL,
         principal=acl.principal, host=ANY_HOST, operation=OPERATIONS[acl.operation],
-        permission_type=PERMISSION_ALLOW)
+        permission_type=PERMISSIONS[acl.permission])

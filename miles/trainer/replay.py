@@ -39,6 +39,7 @@ from typing import Literal
 
 from miles.bus import Bus
 from miles.bus.ranges import parse_bound, reader_group
+from miles.bus.security import KafkaSecurity
 from miles.engines.base import LoraSettings
 from miles.errors import ConfigError
 from miles.experience.rows import read_groups
@@ -79,6 +80,7 @@ class ReplayConfig:
 @dataclass(frozen=True, kw_only=True)
 class ReplaySettings:
     bus: str = "kafka://127.0.0.1:9092"  # where the recorded topic lives (or embedded://)
+    kafka: KafkaSecurity = field(default_factory=KafkaSecurity)  # TLS/SASL (MILES_KAFKA__*)
     model_dir: Path = Path("model")  # the model to start from (from_pretrained)
     lora: LoraSettings | None = field(default_factory=LoraSettings)  # None: full fine-tuning
     torch_threads: int = 0  # 0 leaves torch's default
@@ -196,5 +198,5 @@ async def run_replay(settings: ReplaySettings) -> dict:
     if settings.torch_threads:
         torch.set_num_threads(settings.torch_threads)
     learner = Learner(settings.model_dir, settings.learner, lora=settings.lora)
-    async with open_bus(settings.bus) as bus:
+    async with open_bus(settings.bus, settings.kafka) as bus:
         return await Replay(bus, learner, settings.replay).run()

@@ -30,11 +30,13 @@ COMMON = ["lora.r=4", "lora.alpha=8", "torch_threads=1"]
 TORCHRUN_2 = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
 
 
-def spawn(module: str, settings: list[str], log: Path, launcher: tuple = ()) -> subprocess.Popen:
+def spawn(module: str, settings: list[str], log: Path, launcher: tuple = (),
+          env: dict[str, str] | None = None) -> subprocess.Popen:
+    """`python -m module --set ...` logging to `log`, with `env` added to this environment."""
     args = [sys.executable, *launcher, "-m", module]
     for item in COMMON + settings:
         args += ["--set", item]
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
     return subprocess.Popen(args, cwd=REPO, stdout=open(log, "w"), stderr=subprocess.STDOUT,
                             env=env)
 

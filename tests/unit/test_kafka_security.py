@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 
 from consumers.recorder import RecorderSettings
+from miles.trainer.replay import ReplaySettings
 from miles.bus.security import KafkaSecurity, from_env
 from miles.config import describe, load_config
 from miles.errors import ConfigError
@@ -38,6 +39,23 @@ def test_the_environment_configures_cli_commands_and_daemons_alike(tmp_path):
     assert load_config(RecorderSettings, env=env).kafka == security
     overridden = load_config(RecorderSettings, env=env, overrides=["kafka.sasl_username=bob"])
     assert overridden.kafka.sasl_username == "bob"
+    assert load_config(ReplaySettings, env=env).kafka == security  # `miles replay`
+
+
+def test_the_demo_gives_its_kafka_section_to_every_daemon_it_starts(tmp_path):
+    from miles.demo import DemoConfig, daemon_settings, write_settings
+
+    ca = tmp_path / "ca.pem"
+    ca.write_text("a CA")
+    kafka = KafkaSecurity(security_protocol="SASL_SSL", sasl_username="demo", ssl_cafile=ca)
+    config = load_config(DemoConfig, overrides=["bus=kafka://127.0.0.1:9093", "run=r"],
+                         env={"MILES_KAFKA__SECURITY_PROTOCOL": "SASL_SSL",
+                              "MILES_KAFKA__SASL_USERNAME": "demo",
+                              "MILES_KAFKA__SSL_CAFILE": str(ca)})
+    assert config.kafka == kafka
+    for name, settings in daemon_settings(config, tmp_path).items():
+        written = write_settings(settings, tmp_path / f"{name}.yaml")
+        assert load_config(type(settings), path=written, env={}).kafka == kafka, name
 
 
 def test_sasl_options_carry_the_password_from_the_variable_or_the_file(tmp_path):
