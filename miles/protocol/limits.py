@@ -10,7 +10,7 @@ import numpy as np
 
 from miles.protocol.topics import MAX_RECORD_BYTES
 
-SCHEMA_VERSION = (1, 2)
+SCHEMA_VERSION = (1, 3)
 """(major, minor) written into every record. Readers reject another major, accept any minor."""
 
 TOKEN_DTYPE = np.dtype("<i4")
