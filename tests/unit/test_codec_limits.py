@@ -16,7 +16,6 @@ from miles.errors import CodecError
 from miles.protocol import (MAX_MAP_ENTRIES, MAX_RECORD_BYTES, MAX_SAMPLES_PER_GROUP,
                             TrajectoryGroup, decode, encode)
 from miles.protocol.codec import unpack
-from miles.protocol.limits import MAX_OBJECTS_PER_RECORD
 from tests.factories import make_group, make_sample, pack_map, wire_map
 
 FAST_S = 0.5  # a rejection must take at most this (it takes ~30 ms; ~1.7 s before the bound)
