@@ -8,8 +8,10 @@ records from the trainer and the trainer never waits for it:
   loaded (sha256-verified) and its greedy accuracy measured on `eval_problems` problems of the
   held-out split (`miles.evaluation.Evaluator`).
 Every `every_s` seconds it appends a `{"kind": "stream", ...}` line with the stream's numbers to
-`out`, and a `{"kind": "held_out", ...}` line per measurement. Invalid records are counted,
-not dead-lettered (the trainer does that). Stops on SIGTERM.
+`out`, and a `{"kind": "held_out", ...}` line per measurement. Invalid trajectory records
+(tombstones included) are counted, not dead-lettered (the trainer does that); invalid control and
+status records are dead-lettered under the evaluator's own groups, and commands, which it does
+not read, are skipped. Stops on SIGTERM.
 """
 
 from __future__ import annotations

@@ -90,7 +90,7 @@ class Evaluator:
                                          group_id=f"miles.{self.run}.{self.group}.{kind}",
                                          **options)
             return DecodingConsumer(self.bus, consumer, dlq_topic=topic_name(self.run, "dlq"),
-                                    expected=expected)
+                                    expected=expected, name=self.group)
 
         self._control = reader("control", WeightVersion)
         self._status = reader("status", Heartbeat, from_beginning=False)

@@ -11,7 +11,9 @@ Three loops share one engine:
   already changed (counted as `commit_failures`, never fatal), has those prompts re-delivered
   to the partition's owner: they are generated twice (at-least-once; each group has a unique
   id). A batch the engine fails on (`EngineError`) is rewound and retried after
-  `ENGINE_RETRY_S`, counted and reported in a heartbeat.
+  `ENGINE_RETRY_S`, counted and reported in a heartbeat. A prompt no engine of this vocabulary
+  can take (no tokens, token ids outside it) is the prompt's fault, not the engine's: it is
+  dead-lettered and committed past with its batch, never retried.
 - control: read the control topic from its start, catch up, then load the newest `WeightVersion`
   after checking its sha256; obey pause/resume/drain/stop `Command`s. The versions followed are
   the newest trainer generation's (`miles.weights.following`): a resumed trainer's are loaded
@@ -47,7 +49,7 @@ import numpy as np
 from miles.bus import Bus, TopicPartition
 from miles.bus.commits import DoneOffsets
 from miles.bus.decoding import DecodingConsumer
-from miles.engines.base import Completion, RolloutEngine
+from miles.engines.base import Completion, RolloutEngine, prompt_problem
 from miles.errors import ConfigError, EngineError, MilesError
 from miles.protocol import (ALL_TARGETS, Command, Heartbeat, PromptTask, Sample, TrajectoryGroup,
                             WeightVersion, encode)
@@ -141,7 +143,8 @@ class RolloutWorker:
         self.counts: dict[str, float] = {"producer/groups": 0, "producer/tokens": 0,
                                          "producer/generate_s": 0.0, "producer/other_s": 0.0,
                                          "producer/load_s": 0.0, "producer/engine_errors": 0,
-                                         "producer/weight_loads": 0, "producer/weight_errors": 0}
+                                         "producer/weight_loads": 0, "producer/weight_errors": 0,
+                                         "producer/bad_prompts": 0}
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
         self.announced = Announcements()  # the versions this producer may load
         self.commits = DoneOffsets()  # prompts whose groups are published, to commit
@@ -184,7 +187,8 @@ class RolloutWorker:
         self.commits.consumer = consumer
         async with consumer:
             prompts = DecodingConsumer(self.bus, consumer, dlq_topic=self._topic("dlq"),
-                                       expected=PromptTask)
+                                       expected=PromptTask,
+                                       name=self.config.producer_id)
             trajectories = await self._trajectory_partitions()
             while not stop.is_set() and not drain.is_set():
                 if not await self._admit(stop, consumer, trajectories):
@@ -201,8 +205,9 @@ class RolloutWorker:
         meanwhile waits for it; a commit refused after a rebalance is counted)."""
         self.commits.begin()
         try:
-            if batch:
-                await self._roll_out([d.value for d in batch])
+            tasks = await self._takeable(prompts, batch)
+            if tasks:
+                await self._roll_out(tasks)
             self.commits.done(prompts.polled)
         except EngineError as err:
             self.commits.abandon()
@@ -211,6 +216,23 @@ class RolloutWorker:
         finally:
             self.commits.abandon()  # a no-op after `done`; a crash must not block a revocation
         await self.commits.commit()
+
+    async def _takeable(self, prompts: DecodingConsumer,
+                        batch) -> list[tuple[PromptTask, list[int]]]:
+        """Each prompt of `batch` with its token ids, except those no engine of this vocabulary
+        can take (empty, ids outside it): bad data, not an engine failure, so they are
+        dead-lettered (and committed past with the batch) instead of retried."""
+        takeable = []
+        for item in batch:
+            ids = self._prompt_ids(item.value)
+            problem = prompt_problem(ids, self.engine.vocab_size)
+            if problem is None:
+                takeable.append((item.value, ids))
+                continue
+            self.counts["producer/bad_prompts"] += 1
+            await prompts.dead_letter(item.record, f"prompt_token_ids: prompt {problem} of "
+                                      f"engine {self.engine.name}", "prompt_token_ids")
+        return takeable
 
     async def _retry_later(self, consumer, batch, err: EngineError, stop: asyncio.Event) -> None:
         """The engine failed on a batch (a server restart, a bad request): its prompts are not
@@ -262,9 +284,9 @@ class RolloutWorker:
             self._waiting_since = now
         self.waiting = waiting
 
-    async def _roll_out(self, tasks: list[PromptTask]) -> None:
+    async def _roll_out(self, batch: list[tuple[PromptTask, list[int]]]) -> None:
         began = time.perf_counter()
-        prompts = [self._prompt_ids(t) for t in tasks]
+        tasks, prompts = [task for task, _ in batch], [ids for _, ids in batch]
         self._in_flight = len(tasks)
         self._sequence += 1
         completions = await self._in_engine(self.engine.generate, prompts, self.config.sampling,
@@ -322,7 +344,8 @@ class RolloutWorker:
                                                        f"{self.config.producer_id}.control")
         async with consumer:
             control = DecodingConsumer(self.bus, consumer, dlq_topic=self._topic("dlq"),
-                                       expected=(WeightVersion, Command))
+                                       expected=(WeightVersion, Command),
+                                       name=self.config.producer_id)
             while not stop.is_set():
                 for item in await control.poll(timeout_s=0.2):
                     await self._on_control(item.value, stop, drain)
@@ -415,7 +438,8 @@ class RolloutWorker:
                                               f"{self.config.producer_id}.status")
         async with consumer:
             status = DecodingConsumer(self.bus, consumer, dlq_topic=self._topic("dlq"),
-                                      expected=Heartbeat)
+                                      expected=Heartbeat,
+                                      name=self.config.producer_id)
             while not stop.is_set():
                 for item in await status.poll(timeout_s=0.2):
                     beat = item.value

@@ -6,7 +6,8 @@ ordered partitions, per-partition offsets, consumer groups that share partitions
 of "the next offset to read", seeking by offset or by timestamp, and pause/resume.
 
 Values, keys and header values are bytes: the bus moves records, the protocol package gives them
-meaning. Sizes are checked before sending (`check_record_size`) so an oversized record fails at the
+meaning. A consumed value may be None: a tombstone, which Miles never writes but another client
+can (the codec rejects it like any invalid record). Sizes are checked before sending (`check_record_size`) so an oversized record fails at the
 caller with the limit named, on both buses alike.
 """
 
@@ -40,7 +41,7 @@ class Record:
     partition: int
     offset: int
     key: bytes | None
-    value: bytes
+    value: bytes | None  # None: a tombstone (a null value; Miles never writes one)
     headers: tuple[tuple[str, bytes], ...]
     timestamp_ms: int
 
@@ -88,6 +89,8 @@ class Consumer(abc.ABC):
     Positions start at the group's committed offset, or at the earliest (default) or latest
     offset when the group has none. Nothing is committed unless `commit` is called.
     """
+
+    group_id: str
 
     async def __aenter__(self) -> Consumer:
         await self.start()

@@ -69,6 +69,17 @@ class Completion:
                               f"got {self.finish_reason!r}")
 
 
+def prompt_problem(prompt: list[int], vocab_size: int) -> str | None:
+    """Why no engine of vocabulary `vocab_size` can take `prompt` (the prompt's fault, not the
+    engine's: producers dead-letter such a prompt rather than retry it), or None."""
+    if len(prompt) == 0:
+        return "is empty"
+    low, high = min(prompt), max(prompt)
+    if low < 0 or high >= vocab_size:
+        return f"has token ids outside [0, {vocab_size}) (from {low} to {high})"
+    return None
+
+
 class RolloutEngine(abc.ABC):
     """A policy that samples responses and hot-loads new weight versions.
 
@@ -161,7 +172,5 @@ class TokenizedEngine(RolloutEngine):
     def _check_prompts(self, prompts: list[list[int]]) -> None:
         """EngineError for an empty prompt or token ids outside the vocabulary."""
         for i, prompt in enumerate(prompts):
-            if len(prompt) == 0:
-                raise EngineError(f"prompt {i} is empty")
-            if min(prompt) < 0 or max(prompt) >= self._vocab_size:
-                raise EngineError(f"prompt {i} has token ids outside [0, {self._vocab_size})")
+            if (problem := prompt_problem(prompt, self._vocab_size)) is not None:
+                raise EngineError(f"prompt {i} {problem}")

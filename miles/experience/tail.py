@@ -98,8 +98,9 @@ def summarize(value: WireRecord) -> str:
                     f"v{value.policy_version} in_flight {value.in_flight} "
                     f"tokens/s {value.tokens_per_s:.1f}" + (f" {extra}" if extra else ""))
         case DeadLetter():
+            by = f" by {value.consumer} ({value.consumer_group})" if value.consumer_group else ""
             return (f"dead_letter from {value.source_topic}[{value.source_partition}]@"
-                    f"{value.source_offset} ({value.payload_size} bytes): {value.reason}")
+                    f"{value.source_offset} ({value.payload_size} bytes){by}: {value.reason}")
         case PromptTask():
             return (f"prompt_task {value.task_id} epoch {value.epoch} {_text(value.prompt)}"
                     + (f" reference {_text(value.reference)}" if value.reference else ""))

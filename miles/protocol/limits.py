@@ -10,7 +10,7 @@ import numpy as np
 
 from miles.protocol.topics import MAX_RECORD_BYTES
 
-SCHEMA_VERSION = (1, 2)
+SCHEMA_VERSION = (1, 3)
 """(major, minor) written into every record. Readers reject another major, accept any minor."""
 
 TOKEN_DTYPE = np.dtype("<i4")
@@ -44,13 +44,20 @@ MAX_GENERATION = (1 << 31) - 1
 INT64_MIN = -(1 << 63)
 INT64_MAX = (1 << 63) - 1
 
-# msgpack unpacker limits, so a forged length prefix can't make the unpacker allocate more than a
-# record could hold. Each string/bin byte, array element and map entry (key + value) costs at
-# least 1, 1 and 2 bytes of input.
+MAX_OBJECTS_PER_RECORD = 1 << 18
+"""Most msgpack objects in one record, counted as every map and array (at any depth, in known
+or ignored fields) plus its entries and elements. The largest valid record, a group of
+`MAX_SAMPLES_PER_GROUP` samples (~25 each: the sample map and its four array maps) with full
+scalar maps, has ~110,000; 8 MiB of empty containers would be 8 million, seconds of decoding."""
+
+# msgpack unpacker limits, checked on each length prefix before anything is built: no valid
+# record has a longer array than `samples` or a bigger map than a free-form scalar map, so a
+# forged or hostile container of any size costs nothing. Strings and bins are bounded by the
+# record size.
 UNPACK_LIMITS = {
     "max_str_len": MAX_RECORD_BYTES,
     "max_bin_len": MAX_RECORD_BYTES,
-    "max_array_len": MAX_RECORD_BYTES,
-    "max_map_len": MAX_RECORD_BYTES // 2,
+    "max_array_len": MAX_SAMPLES_PER_GROUP,
+    "max_map_len": MAX_MAP_ENTRIES,
     "max_ext_len": 0,  # no ext types (this also rejects msgpack timestamps)
 }

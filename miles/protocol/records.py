@@ -183,16 +183,34 @@ class DeadLetter(WireRecord):
     source_offset: int
     payload: bytes  # the rejected bytes, truncated to MAX_DEAD_LETTER_PAYLOAD_BYTES
     payload_size: int  # length of the rejected record before truncation
+    consumer_group: str | None = None  # the rejecting consumer's group (1.3)
+    consumer: str | None = None  # who in the group rejected it, e.g. "producer-0" (1.3)
     created_at: float
 
     @classmethod
     def for_payload(cls, *, reason: str, source_topic: str, source_partition: int,
-                    source_offset: int, payload: bytes, created_at: float) -> "DeadLetter":
-        """A dead letter for `payload`, truncated to the cap so it always fits a record."""
+                    source_offset: int, payload: bytes | None, created_at: float,
+                    consumer_group: str | None = None,
+                    consumer: str | None = None) -> "DeadLetter":
+        """A dead letter for `payload` (None: a tombstone), truncated to the cap so it always
+        fits a record."""
+        payload = payload or b""
         kept = bytes(payload[:MAX_DEAD_LETTER_PAYLOAD_BYTES])
         return cls(reason=reason, source_topic=source_topic, source_partition=source_partition,
                    source_offset=source_offset, payload=kept, payload_size=len(payload),
-                   created_at=created_at)
+                   consumer_group=consumer_group, consumer=consumer, created_at=created_at)
+
+    @property
+    def key(self) -> bytes:
+        """The Kafka key of this letter: the same for every letter of one group about one
+        record, so readers recognise duplicates (`dead_letter_key`)."""
+        return dead_letter_key(self.consumer_group, self.source_topic, self.source_partition,
+                               self.source_offset)
+
+
+def dead_letter_key(group: str | None, topic: str, partition: int, offset: int) -> bytes:
+    """`<consumer_group>/<source_topic>/<partition>/<offset>` (an empty group when unnamed)."""
+    return f"{group or ''}/{topic}/{partition}/{offset}".encode()
 
 
 RecordT = TypeVar("RecordT", bound=WireRecord)

@@ -199,6 +199,8 @@ def read_dead_letter(r: FieldReader) -> DeadLetter:
         source_offset=r.integer("source_offset", lo=0),
         payload=payload,
         payload_size=r.integer("payload_size", lo=len(payload)),
+        consumer_group=r.string("consumer_group", default=None),
+        consumer=r.string("consumer", default=None),
         created_at=_created_at(r),
     )
 

@@ -24,6 +24,15 @@ PRODUCER_MAX_REQUEST_BYTES = TOPIC_MAX_MESSAGE_BYTES
 
 KINDS = ("prompts", "trajectories", "control", "status", "dlq")
 
+CARRIED = {
+    "prompts": ("prompt_task",),
+    "trajectories": ("trajectory_group",),
+    "control": ("weight_version", "command"),
+    "status": ("heartbeat",),
+    "dlq": ("dead_letter",),
+}
+"""The record types (wire `type` names) each kind of topic carries; any other is invalid there."""
+
 DAY_MS = 24 * 3600 * 1000
 
 
@@ -50,6 +59,12 @@ def topic_name(run: str, kind: str) -> str:
         raise ConfigError(f"topic kind must be one of {KINDS}, got {kind!r}")
     validate_run_name(run)
     return f"miles.{run}.{kind}"
+
+
+def topic_kind(name: str) -> str | None:
+    """The kind of a run's topic `miles.<run>.<kind>`, or None for a topic that is not one."""
+    prefix, _, kind = name.rpartition(".")
+    return kind if prefix.startswith("miles.") and kind in KINDS else None
 
 
 def validate_run_name(run: str) -> None:

@@ -259,7 +259,7 @@ class TrainerLoop:
             async with self.consumer:
                 self.reader = DecodingConsumer(self.bus, self.consumer,
                                                dlq_topic=self._topic("dlq"),
-                                               expected=TrajectoryGroup)
+                                               expected=TrajectoryGroup, name="trainer")
                 while not stop.is_set() and not self._done():
                     if not await self._collect(stop):
                         break

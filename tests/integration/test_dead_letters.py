@@ -9,9 +9,9 @@ import numpy as np
 
 from miles.bus import TopicPartition
 from miles.bus.decoding import DecodingConsumer
-from miles.protocol import DeadLetter, TrajectoryGroup, decode, encode
+from miles.protocol import DeadLetter, TrajectoryGroup, WeightVersion, decode, encode
 from miles.protocol.topics import topic_name
-from tests.factories import make_group, make_prompt_task
+from tests.factories import make_command, make_group, make_prompt_task, make_weight_version
 
 
 def _tamper(record: bytes, edit) -> bytes:
@@ -111,3 +111,58 @@ async def test_commit_moves_past_dead_lettered_records(bus, run):
         tp = TopicPartition(trajectories, 0)
         assert await again.committed(tp) == 2
         assert await again.poll(timeout_s=2.0) == []
+
+
+async def read_letters(bus, run: str, count: int, timeout_s: float = 30) -> list:
+    """The first `count` records of the run's DLQ (and anything else already there), decoded."""
+    async with bus.consumer([topic_name(run, "dlq")], group_id=f"{run}-audit") as audit:
+        records = []
+        deadline = time.monotonic() + timeout_s
+        while len(records) < count and time.monotonic() < deadline:
+            records.extend(await audit.poll(timeout_s=0.5))
+        records.extend(await audit.poll(timeout_s=0.5))  # none more
+    return [(r.key, decode(r.value, DeadLetter)) for r in records]
+
+
+async def poll_all(reader: DecodingConsumer, count: int, timeout_s: float = 30) -> list:
+    got, deadline = [], time.monotonic() + timeout_s
+    while reader.counts["bus/records"] < count and time.monotonic() < deadline:
+        got.extend(await reader.poll(timeout_s=0.5))
+    return got
+
+
+async def test_one_letter_per_record_per_group_naming_the_consumer(bus, run):
+    trajectories, dlq = topic_name(run, "trajectories"), topic_name(run, "dlq")
+    bad = await bus.publish(trajectories, b"junk", partition=0)
+    await bus.publish(trajectories, encode(make_group(seed=1)), partition=0)
+    for group, name in ((f"miles.{run}.trainer", "trainer"), (f"miles.{run}.other", None)):
+        async with bus.consumer([trajectories], group_id=group) as consumer:
+            reader = DecodingConsumer(bus, consumer, dlq_topic=dlq, expected=TrajectoryGroup,
+                                      name=name)
+            await poll_all(reader, 2)
+            consumer.seek(TopicPartition(trajectories, 0), 0)  # read again: no second letter
+            await poll_all(reader, 4)
+            assert reader.counts["bus/dlq_records"] == 1
+            assert reader.counts["bus/dlq_repeats"] == 1
+    letters = await read_letters(bus, run, 2)
+    assert [(key, letter.consumer_group, letter.consumer) for key, letter in letters] == [
+        (f"miles.{run}.trainer/{trajectories}/0/{bad.offset}".encode(), f"miles.{run}.trainer",
+         "trainer"),
+        (f"miles.{run}.other/{trajectories}/0/{bad.offset}".encode(), f"miles.{run}.other",
+         f"miles.{run}.other")]
+    assert all(key == letter.key for key, letter in letters)
+
+
+async def test_records_the_topic_carries_but_the_consumer_does_not_read_are_skipped(bus, run):
+    control, dlq = topic_name(run, "control"), topic_name(run, "dlq")
+    await bus.publish(control, encode(make_command()))
+    await bus.publish(control, encode(make_weight_version()))
+    await bus.publish(control, encode(make_group()))  # not a record of the control topic
+    async with bus.consumer([control], group_id=f"miles.{run}.evaluator.control") as consumer:
+        reader = DecodingConsumer(bus, consumer, dlq_topic=dlq, expected=WeightVersion)
+        got = await poll_all(reader, 3)
+    assert [type(d.value) for d in got] == [WeightVersion]
+    assert reader.counts["bus/skipped_records"] == 1
+    assert reader.counts["bus/dlq_records"] == 1
+    [(_, letter)] = await read_letters(bus, run, 1)
+    assert "expected weight_version or command, got trajectory_group" in letter.reason

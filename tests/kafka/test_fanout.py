@@ -8,14 +8,15 @@ import json
 import pytest
 
 from miles.bus import open_bus
-from miles.protocol import encode
+from miles.protocol import DeadLetter, decode, encode
 from miles.protocol.topics import run_topics, topic_name
 from miles.trainer import distributed
 from miles.trainer.learner import Learner
 from miles.trainer.model import LoraSettings
 from miles.weights.store import write_version
 from tests.conftest import unique_run
-from tests.factories import make_group
+from tests.factories import make_command, make_group
+from tests.kafka.raw_client import RawProducer
 
 pytestmark = pytest.mark.kafka
 LORA = LoraSettings(r=4, alpha=8)
@@ -54,17 +55,25 @@ async def test_evaluator_scores_the_stream_and_measures_each_new_version(kafka_b
             await bus.publish(trajectories, encode(make_group(4, 5, vocab_size=78, seed=i,
                                                               policy_version=2 + i // 2)))
         await bus.publish(trajectories, b"\x00garbage")
+        async with RawProducer(kafka_broker.bootstrap) as raw:
+            await raw.send(trajectories, None)  # a tombstone: counted as invalid
+            await raw.send(topic_name(run, "control"), None)  # dead-lettered
+        await bus.publish(topic_name(run, "control"), encode(make_command()))  # not read: skipped
         await bus.publish(topic_name(run, "control"), encode(record))
         await wait_for(lambda: any(x["kind"] == "held_out" for x in lines(settings.out))
                        and lines(settings.out)[-1].get("by_version", {}).get("3"))
-        await wait_for(lambda: lines(settings.out)[-1]["invalid"] == 1)
+        await wait_for(lambda: lines(settings.out)[-1]["invalid"] == 2)
         stop.set()
         summary = await asyncio.wait_for(evaluating, 60)
+        async with bus.consumer([topic_name(run, "dlq")], group_id="audit") as audit:
+            letters = [decode(r.value, DeadLetter) for r in await audit.poll(timeout_s=5)]
     held_out = [x for x in lines(settings.out) if x["kind"] == "held_out"]
     assert [x["policy_version"] for x in held_out] == [1] and 0 <= held_out[0]["accuracy"] <= 1
     stream = [x for x in lines(settings.out) if x["kind"] == "stream"][-1]
     assert {v: s["groups"] for v, s in stream["by_version"].items()} == {"2": 2, "3": 2}
-    assert summary == {"measurements": 1, "invalid": 1}
+    assert summary == {"measurements": 1, "invalid": 2}
+    assert [(x.consumer_group, "tombstone" in x.reason) for x in letters] == [
+        (f"miles.{run}.fanout-evaluator.control", True)]  # the command is no dead letter
 
 
 async def test_recorder_archives_every_sample_once_and_resumes_after_its_commit(kafka_broker,
@@ -91,6 +100,8 @@ async def test_recorder_archives_every_sample_once_and_resumes_after_its_commit(
 
         await publish(range(5))
         await bus.publish(trajectories, b"\x00garbage")
+        async with RawProducer(kafka_broker.bootstrap) as raw:
+            await raw.send(trajectories, None)  # a tombstone
         stop = asyncio.Event()
         recording = asyncio.create_task(run_recorder(settings, stop))
         await wait_for(lambda: len(archived()) == 20)
@@ -104,7 +115,7 @@ async def test_recorder_archives_every_sample_once_and_resumes_after_its_commit(
         stop.set()
         second = await asyncio.wait_for(recording, 60)
     rows = archived()
-    assert len(rows) == 28 and first["invalid"] == 1 and second["invalid"] == 0
+    assert len(rows) == 28 and first["invalid"] == 2 and second["invalid"] == 0
     assert len({(r["group_id"], r["sample_index"]) for r in rows}) == 28
     assert first["files"] >= 1 and second["files"] >= 1
     assert rows[0]["versions"] and isinstance(rows[0]["logprobs"][0], float)
