@@ -48,6 +48,7 @@ from miles.tasks.rewards import resolve_reward
 from miles.tasks.tiny_model import build_tiny_model
 from miles.trainer.learner import Learner, LearnerConfig
 from miles.trainer.loop import LoopConfig, StepRunner, TrainerLoop
+from miles.weights.following import FollowConfig
 from miles.weights.store import base_model_id
 from producers.rollout import ProducerSettings
 
@@ -85,7 +86,11 @@ class DemoConfig:
         return RolloutConfig(run=self.run, producer_id="producer-0", sampling=self.sampling,
                              prompts_per_batch=self.groups_per_step,
                              max_staleness=self.max_staleness,
-                             groups_per_step=self.groups_per_step)
+                             groups_per_step=self.groups_per_step, weights=self.weights())
+
+    def weights(self) -> FollowConfig:
+        """Where the producer and the evaluator find the trainer's weights."""
+        return FollowConfig(store=self.out_dir / "weights")
 
     def loop(self) -> LoopConfig:
         return LoopConfig(run=self.run, out_dir=self.out_dir, groups_per_step=self.groups_per_step,
@@ -144,7 +149,8 @@ def daemon_settings(config: DemoConfig, model_dir: Path) -> dict:
                                    loop=config.loop()),
         "evaluator": EvaluatorSettings(**common, run=config.run, prompts=config.prompts,
                                        reward=config.reward, every_s=config.eval_every_s,
-                                       out=config.out_dir / "evaluation.jsonl"),
+                                       out=config.out_dir / "evaluation.jsonl",
+                                       weights=config.weights()),
         "recorder": RecorderSettings(bus=config.bus, run=config.run,
                                      out_dir=config.out_dir / "archive", file_seconds=30.0),
     }
@@ -201,7 +207,8 @@ async def run_demo(config: DemoConfig, stop: asyncio.Event) -> dict:
         evaluator = Evaluator(bus, config.run, model_dir, config.lora,
                               held_out[:config.eval_problems], every_s=config.eval_every_s,
                               scorer=resolve_reward(config.reward,
-                                                    timeout_s=config.reward_timeout_s))
+                                                    timeout_s=config.reward_timeout_s),
+                              weights=config.weights())
         async with evaluator:
             initial = await evaluator.measure(held_out)
             run = run_embedded if config.bus.startswith("embedded") else run_processes

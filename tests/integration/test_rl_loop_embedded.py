@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -27,6 +28,7 @@ from miles.tasks.rewards import Scorer
 from miles.trainer import distributed
 from miles.trainer.learner import Learner, LearnerConfig
 from miles.trainer.loop import LoopConfig, StepRunner, TrainerLoop
+from miles.weights.following import FollowConfig
 from tests.rewards import digit_for_odd_answers, starts_with_digit
 
 LORA = LoraSettings(r=4, alpha=8)
@@ -54,7 +56,8 @@ async def run_loop(model_dir, out_dir, *, max_staleness: int, lora: LoraSettings
         engine = HFEngine(model_dir, lora=lora)
         worker = RolloutWorker(bus, engine, Scorer(reward), RolloutConfig(
             run=run, sampling=SamplingParams(n=4, max_new_tokens=4), prompts_per_batch=PER_STEP,
-            groups_per_step=PER_STEP, max_staleness=max_staleness, heartbeat_s=0.2))
+            groups_per_step=PER_STEP, max_staleness=max_staleness, heartbeat_s=0.2,
+            weights=FollowConfig(store=Path(out_dir) / "weights")))
         learner = Learner(model_dir, LearnerConfig(lr=1e-2 if lora else 1e-4,
                                                    algorithm=algorithm), lora=lora)
         before = {n: full(p).clone() for n, p in learner.model.named_parameters()}

@@ -61,7 +61,8 @@ async def test_producer_and_two_rank_trainer_processes(kafka_broker, model_dir, 
         f"bus={kafka_broker.url}", f"model_dir={model_dir}", "reward=tests.rewards:starts_with_digit",
         f"rollout.run={run}", "rollout.prompts_per_batch=4", "rollout.groups_per_step=4",
         "rollout.max_staleness=1", "rollout.sampling.n=4", "rollout.sampling.max_new_tokens=4",
-        "rollout.heartbeat_s=0.5"], tmp_path / "producer.log")
+        "rollout.heartbeat_s=0.5", f"rollout.weights.store={tmp_path / 'out' / 'weights'}"],
+        tmp_path / "producer.log")
     trainer = spawn("consumers.trainer", trainer_settings(
         kafka_broker.url, run, model_dir, tmp_path / "out", groups_per_step=4, max_steps=4,
         max_staleness=1, checkpoint_every=2), tmp_path / "trainer.log", launcher=TORCHRUN_2)
