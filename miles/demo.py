@@ -3,7 +3,9 @@
 Steps: build the tiny model and its supervised warm start (cached under ~/.cache/miles), measure
 held-out greedy accuracy, feed the training prompts, run rollout producer and trainer against
 each other for `rl_seconds` of wall-clock, measure held-out accuracy again, write
-`report.json` and `curves.png`.
+`report.json` and `curves.png`. The trainer signs its versions and heartbeats with the key pair
+in `out_dir/keys` (made if missing), and the producer and the evaluator verify them with its
+public key and load weights only from `out_dir/weights` (docs/control-plane.md).
 
 Embedded bus (default): producer and trainer run in this process on one event loop, each in its
 own worker thread (generation is the smaller half, so both keep torch's default threads). Kafka bus:
@@ -49,6 +51,7 @@ from miles.tasks.tiny_model import build_tiny_model
 from miles.trainer.learner import Learner, LearnerConfig
 from miles.trainer.loop import LoopConfig, StepRunner, TrainerLoop
 from miles.weights.following import FollowConfig
+from miles.weights.signing import PUBLIC_KEY_FILE, ensure_key_pair
 from miles.weights.store import base_model_id
 from producers.rollout import ProducerSettings
 
@@ -89,8 +92,10 @@ class DemoConfig:
                              groups_per_step=self.groups_per_step, weights=self.weights())
 
     def weights(self) -> FollowConfig:
-        """Where the producer and the evaluator find the trainer's weights."""
-        return FollowConfig(store=self.out_dir / "weights")
+        """Where the producer and the evaluator find the trainer's weights, and the public key
+        of the pair the trainer signs with (its default, out_dir/keys, made by `run_demo`)."""
+        return FollowConfig(store=self.out_dir / "weights",
+                            public_key=self.out_dir / "keys" / PUBLIC_KEY_FILE)
 
     def loop(self) -> LoopConfig:
         return LoopConfig(run=self.run, out_dir=self.out_dir, groups_per_step=self.groups_per_step,
@@ -200,6 +205,7 @@ async def run_demo(config: DemoConfig, stop: asyncio.Event) -> dict:
     warm_s = time.monotonic() - began
     held_out = load_problems(config.eval_prompts or config.prompts, "test")
     fresh_out_dir(config.out_dir)
+    ensure_key_pair(config.out_dir / "keys")  # the trainer's default pair, before any follower
     async with open_bus(config.bus) as bus:
         await bus.create_topics(run_topics(config.run, prompt_partitions=1,
                                            trajectory_partitions=1))

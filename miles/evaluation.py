@@ -9,7 +9,9 @@ measures it, and keeps the curve; from the status topic it keeps the producers' 
 "Newer" is the producers' rule (`miles.weights.following`): the newest trainer generation's
 versions, going forward within it, so a trainer resumed from an older checkpoint is followed
 and a fenced one ignored; an announced version counts only once it loads (its file inside the
-weight store, of the announced size and sha256), so a forged one changes nothing. The engine's
+weight store, of the announced size and sha256), so a forged one changes nothing; with
+`weights.public_key` set, unsigned or badly signed versions and trainer heartbeats are ignored
+(`miles.weights.signing`). The engine's
 starting weights count as every trainer's version 0.
 """
 
@@ -32,6 +34,7 @@ from miles.service import wait_or_stop
 from miles.tasks.arithmetic import Problem
 from miles.tasks.rewards import Scorer, exact_match
 from miles.weights.following import Announcements, FollowConfig, lineage
+from miles.weights.signing import Verifier
 from miles.weights.store import fetch_version
 
 log = logging.getLogger(__name__)
@@ -80,6 +83,7 @@ class Evaluator:
         self.group = group  # consumer groups miles.<run>.<group>.<topic kind>
         self.scorer = scorer or Scorer(exact_match)
         self.weights = weights or FollowConfig()  # the weight store and the trainer's key
+        self.verifier = Verifier(self.weights.public_key, who="evaluator")
         self.engine = HFEngine(model_dir, lora=lora)
         self.curve = Curve()
         self.announced = -1  # policy version of the newest announcement taken as a candidate
@@ -119,12 +123,16 @@ class Evaluator:
         for item in await self._status.poll(timeout_s=wait_s):
             beat = item.value
             if beat.role == "trainer":
-                self._followed.fence(beat.trainer_generation)
+                why = self.verifier.refusal(beat)
+                if why is None:
+                    self._followed.fence(beat.trainer_generation)
+                else:
+                    log.warning("evaluation ignores a trainer heartbeat: %s", why)
             elif beat.role == "producer" and "generate_s" in beat.extra:
                 self.producer_generate_s[beat.producer_id] = float(beat.extra["generate_s"])
         while items := await self._control.poll(timeout_s=wait_s):  # until caught up
             for item in items:
-                why = self._followed.refusal(item.value)
+                why = self.verifier.refusal(item.value) or self._followed.refusal(item.value)
                 if why is not None:
                     log.info("evaluation ignores version %d: %s", item.value.policy_version, why)
                     continue

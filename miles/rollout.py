@@ -19,7 +19,10 @@ Three loops share one engine:
   when lower, a fenced trainer's refused. An announced version is a candidate until it loads:
   one that fails is reported and dropped and changes nothing (not the followed version, not
   the trainer's version admission uses), so the worker keeps generating with the weights it
-  has and keeps following the real versions after a forged one.
+  has and keeps following the real versions after a forged one. With `weights.public_key`
+  set, versions, commands and trainer heartbeats must carry the trainer's Ed25519 signature
+  (`miles.weights.signing`); an unsigned or badly signed one is refused before it changes
+  anything, counted in `producer/unverified` (and versions in `weight_errors`).
 - status: read trainer heartbeats (its policy version and how many trajectory records it has
   consumed; a fenced generation's are ignored) and publish this producer's heartbeat.
 
@@ -59,6 +62,7 @@ from miles.rl.sampling import SamplingParams
 from miles.service import wait_or_stop
 from miles.tasks.rewards import Scored, Scorer
 from miles.weights.following import Announcements, FollowConfig, lineage
+from miles.weights.signing import Verifier
 from miles.weights.store import fetch_version
 
 log = logging.getLogger(__name__)
@@ -145,7 +149,9 @@ class RolloutWorker:
         self.counts: dict[str, float] = {"producer/groups": 0, "producer/tokens": 0,
                                          "producer/generate_s": 0.0, "producer/other_s": 0.0,
                                          "producer/load_s": 0.0, "producer/engine_errors": 0,
-                                         "producer/weight_loads": 0, "producer/weight_errors": 0}
+                                         "producer/weight_loads": 0, "producer/weight_errors": 0,
+                                         "producer/unverified": 0}
+        self.verifier = Verifier(config.weights.public_key, who="producer")
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
         self.announced = Announcements()  # the followed version and the candidates
         self.commits = DoneOffsets()  # prompts whose groups are published, to commit
@@ -339,6 +345,8 @@ class RolloutWorker:
             return
         if value.target not in (ALL_TARGETS, self.config.producer_id):
             return
+        if self._unverified(value, f"command {value.command}"):
+            return
         log.info("command %s (%s)", value.command, value.reason)
         if value.command in ("pause", "resume"):
             self.paused = value.command == "pause"
@@ -351,7 +359,11 @@ class RolloutWorker:
         """Note an announced version as a candidate; the control loop loads the newest
         (`Announcements` says which versions may be: the newest trainer generation's, going
         forward). Nothing else changes until it loads."""
-        why = self.announced.refusal(value)
+        why = self.verifier.refusal(value)
+        if why is not None:
+            self.counts["producer/unverified"] += 1
+        else:
+            why = self.announced.refusal(value)
         if why is None and self.config.base_model and value.base_model != self.config.base_model:
             why = (f"made for base model {value.base_model!r}, this producer serves "
                    f"{self.config.base_model!r}")
@@ -433,8 +445,20 @@ class RolloutWorker:
                     if beat.role == "trainer":
                         self._on_trainer_beat(beat)
 
+    def _unverified(self, record, what: str) -> bool:
+        """True (counted, logged) when `record` fails signature verification."""
+        why = self.verifier.refusal(record)
+        if why is not None:
+            self.counts["producer/unverified"] += 1
+            log.warning("ignoring %s: %s", what, why)
+        return why is not None
+
     def _on_trainer_beat(self, beat: Heartbeat) -> None:
-        """A fenced trainer's heartbeat is ignored; a newer generation's resets the view."""
+        """An unverified or fenced trainer's heartbeat is ignored; a newer generation's resets
+        the view."""
+        if self._unverified(beat, f"trainer heartbeat (generation {beat.trainer_generation}, "
+                                  f"version {beat.policy_version})"):
+            return
         if self.trainer.follow(beat.trainer_generation, beat.policy_version):
             self.announced.fence(beat.trainer_generation)
             self.trainer.consumed = int(beat.extra.get("consumed", 0))
@@ -452,6 +476,7 @@ class RolloutWorker:
         extra = {"groups": int(self.counts["producer/groups"]),
                  "tokens": int(self.counts["producer/tokens"]),
                  "weight_errors": int(self.counts["producer/weight_errors"]),
+                 "unverified": int(self.counts["producer/unverified"]),
                  "commit_failures": self.commits.failures,
                  "paused": self.paused,
                  "generate_s": round(self.counts["producer/generate_s"], 3),

@@ -10,7 +10,7 @@ import numpy as np
 
 from miles.protocol.topics import MAX_RECORD_BYTES
 
-SCHEMA_VERSION = (1, 2)
+SCHEMA_VERSION = (1, 3)
 """(major, minor) written into every record. Readers reject another major, accept any minor."""
 
 TOKEN_DTYPE = np.dtype("<i4")
@@ -39,6 +39,9 @@ MAX_POLICY_VERSION = (1 << 31) - 1
 
 MAX_GENERATION = (1 << 31) - 1
 """Largest trainer generation (one per trainer start on a run's out_dir)."""
+
+SIGNATURE_BYTES = 64
+"""Length of the Ed25519 `signature` of a control record (1.3)."""
 
 # Range of every other integer on the wire (counts, offsets, byte sizes, scalar-map values).
 INT64_MIN = -(1 << 63)

@@ -6,7 +6,8 @@ with DAPO's dynamic sampling, groups whose rewards are all equal are filtered th
 the shortfall is read from the stream),
 ships their wire bytes to the other ranks (`broadcast_bytes`, no pickle), all ranks run the
 learner's step in a worker thread (the event loop keeps Kafka heartbeats alive), then rank 0
-writes the new adapter to the weight store and announces it on the control topic, reports
+writes the new adapter to the weight store and announces it on the control topic (each
+announcement and heartbeat signed with the run's Ed25519 key, `miles.weights.signing`), reports
 progress on the status topic, appends the step to `ledger.jsonl` and `metrics.jsonl`, and
 every `checkpoint_every` steps writes a checkpoint.
 
@@ -51,6 +52,7 @@ from miles.trainer.checkpoint import load_newest, save_checkpoint
 from miles.trainer.fence import Fence
 from miles.trainer.learner import Learner
 from miles.trainer.progress import Progress
+from miles.weights.signing import Signer, trainer_signer
 from miles.weights.store import discard_versions_after, prune_versions, write_version
 
 log = logging.getLogger(__name__)
@@ -67,6 +69,7 @@ class LoopConfig:
     checkpoint_every: int = 10  # steps between checkpoints (0: only at the end)
     keep_versions: int = 16  # newest weight versions kept in out_dir/weights (0: all)
     heartbeat_s: float = 1.0  # status-topic heartbeat period while waiting for data
+    signing_key: Path | None = None  # Ed25519 private key (PEM); None: out_dir/keys/control.key
 
     def __post_init__(self) -> None:
         if self.groups_per_step < 1:
@@ -212,6 +215,7 @@ class TrainerLoop:
         self.progress = Progress()
         self.consumer = None
         self.reader: DecodingConsumer | None = None
+        self.signer: Signer | None = None  # signs versions and heartbeats (from `run`)
         self._dead_lettered_before = 0  # by earlier incarnations (from the checkpoint)
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="learner")
 
@@ -224,6 +228,7 @@ class TrainerLoop:
     async def run(self, stop: asyncio.Event) -> dict:
         self.out_dir.mkdir(parents=True, exist_ok=True)
         try:
+            self.signer = trainer_signer(self.out_dir, self.config.signing_key)
             await self._resume()
             self.consumer = self.bus.consumer(
                 [self._topic("trajectories")], group_id=f"miles.{self.config.run}.trainer",
@@ -389,7 +394,8 @@ class TrainerLoop:
 
     async def _announce(self, record: WeightVersion) -> None:
         self.runner.fence.check()
-        await self.bus.publish(self._topic("control"), encode(record), key=b"weights")
+        await self.bus.publish(self._topic("control"), encode(self.signer.sign(record)),
+                               key=b"weights")
 
     async def _finish(self) -> None:
         if self.step and (not self.config.checkpoint_every or
@@ -445,5 +451,6 @@ class TrainerLoop:
         beat = Heartbeat(producer_id=f"trainer-{self.config.run}", role="trainer",
                          engine="fsdp2", policy_version=self.learner.policy_version,
                          trainer_generation=self.runner.fence.generation, extra=extra, created_at=time.time())
-        await self.bus.publish(self._topic("status"), encode(beat), key=b"trainer")
+        await self.bus.publish(self._topic("status"), encode(self.signer.sign(beat)),
+                               key=b"trainer")
 
