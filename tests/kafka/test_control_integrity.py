@@ -27,7 +27,7 @@ from miles.weights.following import FollowConfig
 from miles.weights.signing import Signer, generate_key_pair
 from miles.weights.store import base_model_id
 from tests.conftest import unique_run
-from tests.integration.test_weight_loading import versions, wait_for  # noqa: F401 (fixture)
+from tests.integration.test_weight_loading import versions  # noqa: F401 (fixture)
 from tests.rewards import starts_with_digit
 
 pytestmark = [pytest.mark.kafka, pytest.mark.slow]
