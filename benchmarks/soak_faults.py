@@ -63,7 +63,8 @@ class Fleet:
             "reward=math", f"rollout.run={self.run}", f"rollout.producer_id={name}",
             "rollout.prompts_per_batch=8", "rollout.groups_per_step=8",
             "rollout.max_staleness=4", "rollout.sampling.n=4",
-            "rollout.sampling.max_new_tokens=6", "rollout.heartbeat_s=1"]
+            "rollout.sampling.max_new_tokens=6", "rollout.heartbeat_s=1",
+            f"rollout.weights.store={self.out / 'trainer' / 'weights'}"]
 
     def start(self, name: str) -> None:
         module, settings = self._settings(name)

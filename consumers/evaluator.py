@@ -5,7 +5,7 @@ records from the trainer and the trainer never waits for it:
 - the trajectories stream, from where it is when the evaluator starts: per policy version (the
   group's oldest token), groups, samples and mean reward of what the producers publish;
 - held-out accuracy: each newer announced weight version, at most every `every_s` seconds, is
-  loaded (sha256-verified) and its greedy accuracy measured on `eval_problems` problems of the
+  loaded (from `weights.store`, sha256-verified) and its greedy accuracy measured on `eval_problems` problems of the
   held-out split (`miles.evaluation.Evaluator`).
 Every `every_s` seconds it appends a `{"kind": "stream", ...}` line with the stream's numbers to
 `out`, and a `{"kind": "held_out", ...}` line per measurement. Invalid trajectory records
@@ -28,6 +28,7 @@ from miles.engines.base import LoraSettings
 from miles.errors import MilesError
 from miles.protocol import TrajectoryGroup, decode
 from miles.service import daemon_main, wait_or_stop
+from miles.weights.following import FollowConfig
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -44,6 +45,7 @@ class EvaluatorSettings:
     reward_timeout_s: float = 10.0  # per reward call
     out: Path = Path("runs/evaluation.jsonl")  # JSON lines appended here
     torch_threads: int = 1  # the evaluator should not compete with the trainer for cores
+    weights: FollowConfig = field(default_factory=FollowConfig)  # weight store and trainer key
 
 
 class StreamStats:
@@ -94,7 +96,8 @@ async def run_evaluator(settings: EvaluatorSettings, stop: asyncio.Event) -> dic
         stream = bus.consumer([topic_name(settings.run, "trajectories")], from_beginning=False,
                               group_id=f"miles.{settings.run}.fanout-evaluator.trajectories")
         evaluator = Evaluator(bus, settings.run, settings.model_dir, settings.lora, problems,
-                              every_s=settings.every_s, scorer=scorer, group="fanout-evaluator")
+                              every_s=settings.every_s, scorer=scorer, group="fanout-evaluator",
+                              weights=settings.weights)
         async with stream, evaluator:
             async with asyncio.TaskGroup() as tasks:
                 tasks.create_task(_read_stream(stream, stats, stop))

@@ -339,6 +339,26 @@ def _export_model(args) -> int:
     return 0
 
 
+def _add_keys_command(sub: argparse._SubParsersAction) -> None:
+    parser = sub.add_parser("keys", help="the Ed25519 key pair that signs a run's control "
+                                         "records (docs/control-plane.md)")
+    actions = parser.add_subparsers(dest="action", required=True)
+    generate = actions.add_parser("generate", help="write control.key (the trainer's "
+                                                   "loop.signing_key) and control.pub (the "
+                                                   "followers' weights.public_key) into DIR")
+    generate.add_argument("dir", type=Path)
+
+
+def _keys(args: argparse.Namespace) -> int:
+    from miles.weights.signing import generate_key_pair
+
+    private, public = generate_key_pair(args.dir)
+    print(f"wrote {private} (the trainer's loop.signing_key; keep it secret)")
+    print(f"wrote {public} (rollout.weights.public_key of producers, weights.public_key of the "
+          "evaluator)")
+    return 0
+
+
 def _add_status_command(sub: argparse._SubParsersAction) -> None:
     parser = sub.add_parser("status", help="a run at a glance: producers, trainer, consumer "
                                            "lag, DLQ")
@@ -439,6 +459,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_experience_commands(sub)
     _add_status_command(sub)
     _add_export_model_command(sub)
+    _add_keys_command(sub)
     return parser
 
 
@@ -483,6 +504,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _status(args)
         if args.command == "export-model":
             return _export_model(args)
+        if args.command == "keys":
+            return _keys(args)
     except MilesError as err:
         print(f"miles {args.command}: error: {err}", file=sys.stderr)
         return 2

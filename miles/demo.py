@@ -3,7 +3,9 @@
 Steps: build the tiny model and its supervised warm start (cached under ~/.cache/miles), measure
 held-out greedy accuracy, feed the training prompts, run rollout producer and trainer against
 each other for `rl_seconds` of wall-clock, measure held-out accuracy again, write
-`report.json` and `curves.png`.
+`report.json` and `curves.png`. The trainer signs its versions and heartbeats with the key pair
+in `out_dir/keys` (made if missing), and the producer and the evaluator verify them with its
+public key and load weights only from `out_dir/weights` (docs/control-plane.md).
 
 Embedded bus (default): producer and trainer run in this process on one event loop, each in its
 own worker thread (generation is the smaller half, so both keep torch's default threads). Kafka bus:
@@ -52,6 +54,8 @@ from miles.tasks.rewards import resolve_reward
 from miles.tasks.tiny_model import build_tiny_model
 from miles.trainer.learner import Learner, LearnerConfig
 from miles.trainer.loop import LoopConfig, StepRunner, TrainerLoop
+from miles.weights.following import FollowConfig
+from miles.weights.signing import PUBLIC_KEY_FILE, ensure_key_pair
 from miles.weights.store import base_model_id
 from producers.rollout import ProducerSettings
 
@@ -90,7 +94,13 @@ class DemoConfig:
         return RolloutConfig(run=self.run, producer_id="producer-0", sampling=self.sampling,
                              prompts_per_batch=self.groups_per_step,
                              max_staleness=self.max_staleness,
-                             groups_per_step=self.groups_per_step)
+                             groups_per_step=self.groups_per_step, weights=self.weights())
+
+    def weights(self) -> FollowConfig:
+        """Where the producer and the evaluator find the trainer's weights, and the public key
+        of the pair the trainer signs with (its default, out_dir/keys, made by `run_demo`)."""
+        return FollowConfig(store=self.out_dir / "weights",
+                            public_key=self.out_dir / "keys" / PUBLIC_KEY_FILE)
 
     def loop(self) -> LoopConfig:
         return LoopConfig(run=self.run, out_dir=self.out_dir, groups_per_step=self.groups_per_step,
@@ -150,7 +160,8 @@ def daemon_settings(config: DemoConfig, model_dir: Path) -> dict:
                                    loop=config.loop()),
         "evaluator": EvaluatorSettings(**common, run=config.run, prompts=config.prompts,
                                        reward=config.reward, every_s=config.eval_every_s,
-                                       out=config.out_dir / "evaluation.jsonl"),
+                                       out=config.out_dir / "evaluation.jsonl",
+                                       weights=config.weights()),
         "recorder": RecorderSettings(bus=config.bus, kafka=config.kafka, run=config.run,
                                      out_dir=config.out_dir / "archive", file_seconds=30.0),
     }
@@ -200,6 +211,7 @@ async def run_demo(config: DemoConfig, stop: asyncio.Event) -> dict:
     warm_s = time.monotonic() - began
     held_out = load_problems(config.eval_prompts or config.prompts, "test")
     fresh_out_dir(config.out_dir)
+    ensure_key_pair(config.out_dir / "keys")  # the trainer's default pair, before any follower
     async with open_bus(config.bus, config.kafka) as bus:
         await bus.create_topics(run_topics(config.run, prompt_partitions=1,
                                            trajectory_partitions=1))
@@ -207,7 +219,8 @@ async def run_demo(config: DemoConfig, stop: asyncio.Event) -> dict:
         evaluator = Evaluator(bus, config.run, model_dir, config.lora,
                               held_out[:config.eval_problems], every_s=config.eval_every_s,
                               scorer=resolve_reward(config.reward,
-                                                    timeout_s=config.reward_timeout_s))
+                                                    timeout_s=config.reward_timeout_s),
+                              weights=config.weights())
         async with evaluator:
             initial = await evaluator.measure(held_out)
             run = run_embedded if config.bus.startswith("embedded") else run_processes

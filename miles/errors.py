@@ -49,6 +49,10 @@ class WeightsError(MilesError):
     """A weight version could not be written, fetched, verified or applied."""
 
 
+class MissingWeightsError(WeightsError):
+    """An announced version's file is not (yet) in the weight store; it may appear later."""
+
+
 class EngineError(MilesError):
     """A rollout engine could not be built, could not generate, or rejected a weight load."""
 

@@ -8,7 +8,11 @@ the control topic, loads each newer version (sha256-verified) at most every `eve
 measures it, and keeps the curve; from the status topic it keeps the producers' generation time.
 "Newer" is the producers' rule (`miles.weights.following`): the newest trainer generation's
 versions, going forward within it, so a trainer resumed from an older checkpoint is followed
-and a fenced one ignored. The engine's starting weights count as every fresh trainer's version 0.
+and a fenced one ignored; an announced version counts only once it loads (its file inside the
+weight store, of the announced size and sha256), so a forged one changes nothing; with
+`weights.public_key` set, unsigned or badly signed versions and trainer heartbeats are ignored
+(`miles.weights.signing`). The engine's
+starting weights count as every trainer's version 0.
 """
 
 from __future__ import annotations
@@ -22,14 +26,15 @@ from pathlib import Path
 from miles.bus import Bus
 from miles.bus.decoding import DecodingConsumer
 from miles.engines.base import LoraSettings, RolloutEngine
-from miles.errors import MilesError
+from miles.errors import MilesError, MissingWeightsError
 from miles.protocol import Heartbeat, WeightVersion
 from miles.protocol.topics import topic_name
 from miles.rl.sampling import SamplingParams
 from miles.service import wait_or_stop
 from miles.tasks.arithmetic import Problem
 from miles.tasks.rewards import Scorer, exact_match
-from miles.weights.following import Announcements, lineage
+from miles.weights.following import Announcements, FollowConfig, lineage
+from miles.weights.signing import Verifier
 from miles.weights.store import fetch_version
 
 log = logging.getLogger(__name__)
@@ -71,15 +76,17 @@ class Curve:
 class Evaluator:
     def __init__(self, bus: Bus, run: str, model_dir: Path, lora: LoraSettings | None,
                  problems: list[Problem], *, every_s: float, scorer: Scorer | None = None,
-                 group: str = "evaluator"):
+                 group: str = "evaluator", weights: FollowConfig | None = None):
         from miles.engines.hf import HFEngine
 
         self.bus, self.run, self.problems, self.every_s = bus, run, problems, every_s
         self.group = group  # consumer groups miles.<run>.<group>.<topic kind>
         self.scorer = scorer or Scorer(exact_match)
+        self.weights = weights or FollowConfig()  # the weight store and the trainer's key
+        self.verifier = Verifier(self.weights.public_key, who="evaluator")
         self.engine = HFEngine(model_dir, lora=lora)
         self.curve = Curve()
-        self.announced = -1  # policy version of the newest followed announcement
+        self.announced = -1  # policy version of the newest announcement taken as a candidate
         self.producer_generate_s: dict[str, float] = {}
         self._followed = Announcements()
         self._loaded: tuple[int, int] | None = None  # lineage of the loaded weights; None: base
@@ -116,16 +123,20 @@ class Evaluator:
         for item in await self._status.poll(timeout_s=wait_s):
             beat = item.value
             if beat.role == "trainer":
-                self._followed.fence(beat.trainer_generation)
+                why = self.verifier.refusal(beat)
+                if why is None:
+                    self._followed.fence(beat.trainer_generation)
+                else:
+                    log.warning("evaluation ignores a trainer heartbeat: %s", why)
             elif beat.role == "producer" and "generate_s" in beat.extra:
                 self.producer_generate_s[beat.producer_id] = float(beat.extra["generate_s"])
         while items := await self._control.poll(timeout_s=wait_s):  # until caught up
             for item in items:
-                why = self._followed.refusal(item.value)
+                why = self.verifier.refusal(item.value) or self._followed.refusal(item.value)
                 if why is not None:
                     log.info("evaluation ignores version %d: %s", item.value.policy_version, why)
                     continue
-                self._followed.add(item.value)
+                self._followed.offer(item.value)
                 self.announced = item.value.policy_version
 
     async def wait_for_version(self, version: int, stop: asyncio.Event) -> None:
@@ -133,24 +144,30 @@ class Evaluator:
             await self.read_topics(wait_s=0.2)
 
     async def load_newest(self) -> bool:
-        """Load the newest followed version if it would replace the loaded weights."""
-        if self._loaded is None:
-            if not self._followed.recent:
-                return False
-            self._loaded = (self._followed.generation, 0)  # base weights: a fresh version 0
-        newer = self._followed.newer_than(self._loaded)
-        if not newer:
-            return False
-        version = newer[0]
-        new_lineage = version.trainer_generation > self._loaded[0]  # may go back in number
+        """Load the newest candidate that loads, if it would replace the loaded weights (the
+        base weights count as every generation's version 0)."""
+        newer = [v for v in self._followed.newer_than(self._loaded or (0, 0))
+                 if self._loaded is not None or v.policy_version > 0]
+        for version in newer:
+            if await self._load(version):
+                return True
+        return False
+
+    async def _load(self, version: WeightVersion) -> bool:
+        """Fetch, verify and apply `version`; a candidate that fails is dropped unless its file
+        is only missing (it may appear; a pruned one is replaced by newer announcements)."""
+        new_lineage = version.trainer_generation > (self._loaded or (0, 0))[0]
         try:
-            folder = await asyncio.to_thread(fetch_version, version)
+            folder = await asyncio.to_thread(fetch_version, version, self.weights.store)
             await asyncio.to_thread(self.engine.load_version, folder, version.policy_version,
                                     version.format, new_lineage=new_lineage)
-        except MilesError as err:  # e.g. already pruned from the store: wait for a newer one
+        except MilesError as err:
+            if not isinstance(err, MissingWeightsError):
+                self._followed.drop(version)
             log.warning("evaluation skips version %d: %s", version.policy_version, err)
             return False
         self._loaded = lineage(version)
+        self._followed.verified(version)
         return True
 
     async def follow(self, stop: asyncio.Event, started: float) -> None:

@@ -15,10 +15,16 @@ Three loops share one engine:
   can take (no tokens, token ids outside it) is the prompt's fault, not the engine's: it is
   dead-lettered and committed past with its batch, never retried.
 - control: read the control topic from its start, catch up, then load the newest `WeightVersion`
-  after checking its sha256; obey pause/resume/drain/stop `Command`s. The versions followed are
-  the newest trainer generation's (`miles.weights.following`): a resumed trainer's are loaded
-  even when lower, a fenced trainer's refused. A version that fails to load is reported and
-  skipped: the worker keeps generating with the weights it has.
+  after checking that its file is inside the weight store (`weights.store`) with the announced
+  size and sha256; obey pause/resume/drain/stop `Command`s. The versions followed are the
+  newest trainer generation's (`miles.weights.following`): a resumed trainer's are loaded even
+  when lower, a fenced trainer's refused. An announced version is a candidate until it loads:
+  one that fails is reported and dropped and changes nothing (not the followed version, not
+  the trainer's version admission uses), so the worker keeps generating with the weights it
+  has and keeps following the real versions after a forged one. With `weights.public_key`
+  set, versions, commands and trainer heartbeats must carry the trainer's Ed25519 signature
+  (`miles.weights.signing`); an unsigned or badly signed one is refused before it changes
+  anything, counted in `producer/unverified` (and versions in `weight_errors`).
 - status: read trainer heartbeats (its policy version and how many trajectory records it has
   consumed; a fenced generation's are ignored) and publish this producer's heartbeat.
 
@@ -50,14 +56,15 @@ from miles.bus import Bus, TopicPartition
 from miles.bus.commits import DoneOffsets
 from miles.bus.decoding import DecodingConsumer
 from miles.engines.base import Completion, RolloutEngine, prompt_problem
-from miles.errors import ConfigError, EngineError, MilesError
+from miles.errors import ConfigError, EngineError, MilesError, MissingWeightsError
 from miles.protocol import (ALL_TARGETS, Command, Heartbeat, PromptTask, Sample, TrajectoryGroup,
                             WeightVersion, encode)
 from miles.protocol.topics import topic_name
 from miles.rl.sampling import SamplingParams
 from miles.service import wait_or_stop
 from miles.tasks.rewards import Scored, Scorer
-from miles.weights.following import Announcements, lineage
+from miles.weights.following import Announcements, FollowConfig, lineage
+from miles.weights.signing import Verifier
 from miles.weights.store import fetch_version
 
 log = logging.getLogger(__name__)
@@ -78,6 +85,7 @@ class RolloutConfig:
     heartbeat_s: float = 2.0
     seed: int = 0
     base_model: str = ""  # versions for another base are rejected ("": the daemon's model_dir)
+    weights: FollowConfig = field(default_factory=FollowConfig)  # weight store and trainer key
 
     def __post_init__(self) -> None:
         for name in ("prompts_per_batch", "groups_per_step"):
@@ -144,12 +152,14 @@ class RolloutWorker:
                                          "producer/generate_s": 0.0, "producer/other_s": 0.0,
                                          "producer/load_s": 0.0, "producer/engine_errors": 0,
                                          "producer/weight_loads": 0, "producer/weight_errors": 0,
-                                         "producer/bad_prompts": 0}
+                                         "producer/bad_prompts": 0,
+                                         "producer/unverified": 0}
+        self.verifier = Verifier(config.weights.public_key, who="producer")
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
-        self.announced = Announcements()  # the versions this producer may load
+        self.announced = Announcements()  # the followed version and the candidates
         self.commits = DoneOffsets()  # prompts whose groups are published, to commit
         self._loaded = (0, 0)  # lineage (generation, policy version) of the engine's weights
-        self._failed: set[tuple[int, int]] = set()  # lineages that failed to load
+        self._failed: set[tuple[int, int]] = set()  # candidates whose file was missing
         self._retry_at = 0.0  # monotonic time to retry the versions that failed
         self.waiting: str | None = None  # what admission waits for (None: it admits)
         self._waiting_since = time.monotonic()
@@ -358,6 +368,8 @@ class RolloutWorker:
             return
         if value.target not in (ALL_TARGETS, self.config.producer_id):
             return
+        if self._unverified(value, f"command {value.command}"):
+            return
         log.info("command %s (%s)", value.command, value.reason)
         if value.command in ("pause", "resume"):
             self.paused = value.command == "pause"
@@ -367,17 +379,21 @@ class RolloutWorker:
             stop.set()
 
     async def _on_version(self, value: WeightVersion) -> None:
-        """Note an announced version; the control loop loads the newest (`Announcements` says
-        which versions are followed: the newest trainer generation's, going forward)."""
-        why = self.announced.refusal(value)
+        """Note an announced version as a candidate; the control loop loads the newest
+        (`Announcements` says which versions may be: the newest trainer generation's, going
+        forward). Nothing else changes until it loads."""
+        why = self.verifier.refusal(value)
+        if why is not None:
+            self.counts["producer/unverified"] += 1
+        else:
+            why = self.announced.refusal(value)
         if why is None and self.config.base_model and value.base_model != self.config.base_model:
             why = (f"made for base model {value.base_model!r}, this producer serves "
                    f"{self.config.base_model!r}")
         if why is not None:
             await self._reject(value, why)
             return
-        self.announced.add(value)
-        self.trainer.follow(value.trainer_generation, value.policy_version)
+        self.announced.offer(value)
 
     def _load_due(self) -> bool:
         newer = self.announced.newer_than(self._loaded)
@@ -385,12 +401,12 @@ class RolloutWorker:
                 or bool(newer) and time.monotonic() >= self._retry_at)
 
     async def _load_newest(self) -> None:
-        """Load the newest followed version that loads, trying newer ones first (a missing or
-        broken file falls back to the one before). A version that failed is reported once
-        and retried every `WEIGHT_RETRY_S` (its file may reappear), never in a busy loop."""
+        """Load the newest candidate that loads, trying newer ones first (a missing or broken
+        file falls back to the one before). A candidate whose file is missing is reported once
+        and retried every `WEIGHT_RETRY_S` (its file may appear), never in a busy loop."""
         retry = time.monotonic() >= self._retry_at
         newer = self.announced.newer_than(self._loaded)
-        self._failed &= {lineage(v) for v in self.announced.recent}
+        self._failed &= {lineage(v) for v in self.announced.candidates}
         for version in newer:
             failed_before = lineage(version) in self._failed
             if (retry or not failed_before) and await self._load(version,
@@ -407,23 +423,30 @@ class RolloutWorker:
         await self._heartbeat(error=f"version {version.policy_version}: {why}")
 
     async def _load(self, version: WeightVersion, *, report: bool = True) -> bool:
-        """Fetch, verify and apply `version`; a failure is rejected (reported) if `report`."""
+        """Fetch, verify and apply `version`; a failure is rejected (reported) if `report`. A
+        missing file keeps the candidate for a retry; any other failure drops it."""
         new_lineage = version.trainer_generation > self._loaded[0]  # may go back in number
         began = time.perf_counter()
         try:
-            folder = await asyncio.to_thread(fetch_version, version)  # generation goes on
+            folder = await asyncio.to_thread(fetch_version, version,  # generation goes on
+                                             self.config.weights.store)
             fetch_s = time.perf_counter() - began
             apply_s = await self._in_engine(
                 timed, functools.partial(self.engine.load_version, new_lineage=new_lineage),
                 folder, version.policy_version, version.format)
         except MilesError as err:
-            self._failed.add(lineage(version))
+            if isinstance(err, MissingWeightsError):
+                self._failed.add(lineage(version))
+            else:
+                self.announced.drop(version)
             if report:
                 await self._reject(version, str(err))
             else:
                 log.info("version %d still does not load: %s", version.policy_version, err)
             return False
         self._loaded = lineage(version)
+        self.announced.verified(version)
+        self.trainer.follow(version.trainer_generation, version.policy_version)
         self.counts["producer/load_s"] += fetch_s + apply_s  # not the wait behind a generate
         self.load_latencies.append(max(time.time() - version.created_at, 0.0))
         self.counts["producer/weight_loads"] += 1
@@ -446,8 +469,20 @@ class RolloutWorker:
                     if beat.role == "trainer":
                         self._on_trainer_beat(beat)
 
+    def _unverified(self, record, what: str) -> bool:
+        """True (counted, logged) when `record` fails signature verification."""
+        why = self.verifier.refusal(record)
+        if why is not None:
+            self.counts["producer/unverified"] += 1
+            log.warning("ignoring %s: %s", what, why)
+        return why is not None
+
     def _on_trainer_beat(self, beat: Heartbeat) -> None:
-        """A fenced trainer's heartbeat is ignored; a newer generation's resets the view."""
+        """An unverified or fenced trainer's heartbeat is ignored; a newer generation's resets
+        the view."""
+        if self._unverified(beat, f"trainer heartbeat (generation {beat.trainer_generation}, "
+                                  f"version {beat.policy_version})"):
+            return
         if self.trainer.follow(beat.trainer_generation, beat.policy_version):
             self.announced.fence(beat.trainer_generation)
             self.trainer.consumed = int(beat.extra.get("consumed", 0))
@@ -465,6 +500,7 @@ class RolloutWorker:
         extra = {"groups": int(self.counts["producer/groups"]),
                  "tokens": int(self.counts["producer/tokens"]),
                  "weight_errors": int(self.counts["producer/weight_errors"]),
+                 "unverified": int(self.counts["producer/unverified"]),
                  "commit_failures": self.commits.failures,
                  "paused": self.paused,
                  "generate_s": round(self.counts["producer/generate_s"], 3),

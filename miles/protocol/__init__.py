@@ -4,7 +4,7 @@ No torch and no Kafka client here: anything that reads or writes records (produc
 recorder, tests, other tools) depends on this package alone. See docs/wire-format.md.
 """
 
-from miles.protocol.codec import decode, encode
+from miles.protocol.codec import decode, encode, signed_message
 from miles.protocol.limits import (FLOAT_DTYPE, MAX_DEAD_LETTER_PAYLOAD_BYTES, MAX_MAP_ENTRIES,
                                    MAX_POLICY_VERSION, MAX_SAMPLES_PER_GROUP,
                                    MAX_TOKENS_PER_SEQUENCE, MAX_VOCAB_SIZE, SCHEMA_VERSION,
@@ -19,5 +19,5 @@ __all__ = [
     "MAX_MAP_ENTRIES", "MAX_POLICY_VERSION", "MAX_RECORD_BYTES", "MAX_SAMPLES_PER_GROUP",
     "MAX_TOKENS_PER_SEQUENCE", "MAX_VOCAB_SIZE", "RECORD_TYPES", "SCHEMA_VERSION", "TOKEN_DTYPE",
     "WEIGHT_FORMATS", "Command", "DeadLetter", "Heartbeat", "PromptTask", "Sample",
-    "TrajectoryGroup", "WeightVersion", "WireRecord", "decode", "encode",
+    "TrajectoryGroup", "WeightVersion", "WireRecord", "decode", "encode", "signed_message",
 ]

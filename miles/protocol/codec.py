@@ -28,10 +28,14 @@ Choices:
   MAX_RECORD_BYTES) and stays: packing is then ~4x faster than `msgpack.packb`.
 - Schema versions: another major is rejected (naming both versions), any minor is read, unknown
   fields are ignored.
+- Signatures (1.3): `signed_message` is the canonical msgpack form of a control record's signed
+  fields, the bytes its Ed25519 `signature` covers (docs/wire-format.md, "Signatures"). It is
+  built from the record as a reader sees it (decoded, defaults applied), so how a sender wrote
+  its map (key order, an int for a float) does not matter, and a foreign client can rebuild it.
 """
 
 import threading
-from dataclasses import fields
+from dataclasses import fields, replace
 from functools import cache
 
 import msgpack
@@ -41,7 +45,7 @@ from miles.errors import CodecError
 from miles.protocol.fields import FieldReader, preview
 from miles.protocol.limits import (FLOAT_DTYPE, MAX_OBJECTS_PER_RECORD, SCHEMA_VERSION,
                                    TOKEN_DTYPE, UNPACK_LIMITS)
-from miles.protocol.records import WireRecord
+from miles.protocol.records import Command, Heartbeat, WeightVersion, WireRecord
 from miles.protocol.schema import READERS, TYPES_BY_NAME
 from miles.protocol.topics import MAX_RECORD_BYTES
 
@@ -67,6 +71,41 @@ def encode(record: WireRecord) -> bytes:
         raise CodecError("record", f"encoded size {len(packed)} bytes exceeds MAX_RECORD_BYTES "
                                    f"({MAX_RECORD_BYTES}); send large payloads by URI")
     return packed
+
+
+SIGNATURE_CONTEXT = b"miles control signature v1\n"
+"""Prefix of every signed message, so a key signs Miles control records and nothing else."""
+
+SIGNED_FIELDS: dict[type[WireRecord], tuple[str, ...]] = {
+    WeightVersion: ("policy_version", "step", "uri", "format", "sha256", "bytes", "base_model",
+                    "trainer_generation", "created_at"),
+    Command: ("command", "target", "reason", "created_at"),
+    Heartbeat: ("producer_id", "role", "engine", "policy_version", "in_flight", "tokens_per_s",
+                "trainer_generation", "extra", "created_at"),
+}
+"""The fields a signature covers, per record type: every field but `signature` as of 1.3 (a
+later minor's new field is not covered unless a new `SIGNATURE_CONTEXT` says so)."""
+
+
+def signed_message(record: WireRecord) -> bytes:
+    """The bytes the `signature` of `record` covers: `SIGNATURE_CONTEXT`, then one msgpack map
+    of `type` and the `SIGNED_FIELDS` as a reader decodes them (defaults applied), keys and
+    nested keys sorted by their UTF-8 bytes, ints, str and map headers in their shortest form,
+    floats as float64. Raises `CodecError` when `record` is not valid."""
+    names = SIGNED_FIELDS.get(type(record))
+    if names is None:
+        raise TypeError(f"{type(record).__name__} records are not signed")
+    seen = decode(encode(replace(record, signature=None)), type(record))
+    canonical = {"type": record.wire_type, **{n: getattr(seen, n) for n in names}}
+    return SIGNATURE_CONTEXT + msgpack.packb(_sorted(canonical), use_bin_type=True)
+
+
+def _sorted(value: object) -> object:
+    if isinstance(value, dict):
+        return {k: _sorted(value[k]) for k in sorted(value, key=lambda k: k.encode())}
+    if isinstance(value, float):
+        return float(value)
+    return value
 
 
 def decode(data: bytes | bytearray | memoryview | None,

@@ -215,6 +215,10 @@ class FieldReader:
         return [v if type(v) is int and lo <= v <= hi  # as `integer`
                 else _check_int(v, f"{self.path(name)}[{i}]", lo, hi) for i, v in enumerate(value)]
 
+    def absent(self, name: str) -> bool:
+        """Whether field `name` is absent or nil (an optional field then takes its default)."""
+        return self._data.get(name) is None
+
     def blob(self, name: str, *, max_len: int) -> bytes:
         """A bin of at most `max_len` bytes."""
         value = self._data.get(name)

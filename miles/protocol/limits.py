@@ -40,6 +40,9 @@ MAX_POLICY_VERSION = (1 << 31) - 1
 MAX_GENERATION = (1 << 31) - 1
 """Largest trainer generation (one per trainer start on a run's out_dir)."""
 
+SIGNATURE_BYTES = 64
+"""Length of the Ed25519 `signature` of a control record (1.3)."""
+
 # Range of every other integer on the wire (counts, offsets, byte sizes, scalar-map values).
 INT64_MIN = -(1 << 63)
 INT64_MAX = (1 << 63) - 1

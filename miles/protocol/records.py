@@ -1,7 +1,9 @@
 """The records that travel on a run's topics, as frozen keyword-only dataclasses.
 
 prompts: `PromptTask`; trajectories: `TrajectoryGroup` (of `Sample`s); control: `WeightVersion`,
-`Command`; status: `Heartbeat`; dlq: `DeadLetter`. The field names here are the wire names
+`Command`; status: `Heartbeat`; dlq: `DeadLetter`. The three records that move a follower's
+state (`WeightVersion`, `Command`, a trainer's `Heartbeat`) carry an optional Ed25519
+`signature` (1.3) over `miles.protocol.codec.signed_message`. The field names here are the wire names
 (`docs/wire-format.md` lists them with their types and bounds).
 
 Simplifications:
@@ -140,6 +142,7 @@ class WeightVersion(WireRecord):
     base_model: str
     trainer_generation: int = 0  # the announcing trainer's incarnation (fencing; 1.2)
     created_at: float
+    signature: bytes | None = None  # Ed25519 over `signed_message` (1.3)
 
 
 @dataclass(frozen=True, kw_only=True, eq=False)
@@ -152,6 +155,7 @@ class Command(WireRecord):
     target: str = ALL_TARGETS  # a producer_id, or "*" for all
     reason: str = ""
     created_at: float
+    signature: bytes | None = None  # Ed25519 over `signed_message` (1.3)
 
 
 @dataclass(frozen=True, kw_only=True, eq=False)
@@ -169,6 +173,7 @@ class Heartbeat(WireRecord):
     trainer_generation: int = 0  # a trainer's incarnation (fencing; 1.2); 0 from producers
     extra: ScalarMap = field(default_factory=dict)
     created_at: float
+    signature: bytes | None = None  # Ed25519 over `signed_message` (1.3; the trainer's)
 
 
 @dataclass(frozen=True, kw_only=True, eq=False)

@@ -22,7 +22,8 @@ from miles.protocol.arrays import FINITE, LOGPROBS, VERSIONS, token_ids_rule
 from miles.protocol.fields import ArraySpec, FieldReader, preview
 from miles.protocol.limits import (FLOAT_DTYPE, MAX_DEAD_LETTER_PAYLOAD_BYTES, MAX_GENERATION,
                                    MAX_POLICY_VERSION, MAX_SAMPLES_PER_GROUP,
-                                   MAX_TOKENS_PER_SEQUENCE, MAX_VOCAB_SIZE, TOKEN_DTYPE)
+                                   MAX_TOKENS_PER_SEQUENCE, MAX_VOCAB_SIZE, SIGNATURE_BYTES,
+                                   TOKEN_DTYPE)
 from miles.protocol.records import (ALL_TARGETS, COMMANDS, FINISH_REASONS, WEIGHT_FORMATS, Command,
                                     DeadLetter, Heartbeat, IntArray, PromptTask, Sample,
                                     TrajectoryGroup, WeightVersion, WireRecord, from_checked)
@@ -44,6 +45,16 @@ def _sha256(r: FieldReader) -> str:
         raise CodecError(r.path("sha256"),
                          f"must be 64 lowercase hex digits, got {preview(digest)}")
     return digest
+
+
+def _signature(r: FieldReader) -> bytes | None:
+    if r.absent("signature"):
+        return None
+    signature = r.blob("signature", max_len=SIGNATURE_BYTES)
+    if len(signature) != SIGNATURE_BYTES:
+        raise CodecError(r.path("signature"),
+                         f"must be {SIGNATURE_BYTES} bytes, got {len(signature)}")
+    return signature
 
 
 def read_prompt_task(r: FieldReader) -> PromptTask:
@@ -164,6 +175,7 @@ def read_weight_version(r: FieldReader) -> WeightVersion:
         base_model=r.string("base_model", nonempty=True),
         trainer_generation=r.integer("trainer_generation", lo=0, hi=MAX_GENERATION, default=0),
         created_at=_created_at(r),
+        signature=_signature(r),
     )
 
 
@@ -173,6 +185,7 @@ def read_command(r: FieldReader) -> Command:
         target=r.string("target", nonempty=True, default=ALL_TARGETS),
         reason=r.string("reason", default=""),
         created_at=_created_at(r),
+        signature=_signature(r),
     )
 
 
@@ -187,6 +200,7 @@ def read_heartbeat(r: FieldReader) -> Heartbeat:
         trainer_generation=r.integer("trainer_generation", lo=0, hi=MAX_GENERATION, default=0),
         extra=r.scalar_map("extra"),
         created_at=_created_at(r),
+        signature=_signature(r),
     )
 
 

@@ -9,7 +9,8 @@ ships their wire bytes to the other ranks (`broadcast_bytes`, no pickle), all ra
 learner's step in a worker thread (the event loop keeps Kafka heartbeats alive), then rank 0
 dead-letters the groups that made the step fail, appends the step to `ledger.jsonl` (only once
 its update is done, listing only the groups in it), announces the new adapter it wrote to the
-weight store on the control topic, every `checkpoint_every` steps has all ranks write a
+weight store on the control topic (each announcement and heartbeat signed with the run's
+Ed25519 key, `miles.weights.signing`), every `checkpoint_every` steps has all ranks write a
 checkpoint (a second step message, after the accounting it records), appends to
 `metrics.jsonl` and reports progress on the status topic.
 
@@ -60,6 +61,7 @@ from miles.trainer.intake import IntakeConfig, TrainerLimits, check_group
 from miles.trainer.isolation import Isolation
 from miles.trainer.learner import Learner
 from miles.trainer.progress import Progress
+from miles.weights.signing import Signer, trainer_signer
 from miles.weights.store import discard_versions_after, prune_versions, write_version
 
 log = logging.getLogger(__name__)
@@ -77,6 +79,7 @@ class LoopConfig:
     keep_versions: int = 16  # newest weight versions kept in out_dir/weights (0: all)
     heartbeat_s: float = 1.0  # status-topic heartbeat period while waiting for data
     intake: IntakeConfig = field(default_factory=IntakeConfig)  # what groups are admitted
+    signing_key: Path | None = None  # Ed25519 private key (PEM); None: out_dir/keys/control.key
 
     def __post_init__(self) -> None:
         if self.groups_per_step < 1:
@@ -239,6 +242,7 @@ class TrainerLoop:
         self.progress = Progress()
         self.consumer = None
         self.reader: DecodingConsumer | None = None
+        self.signer: Signer | None = None  # signs versions and heartbeats (from `run`)
         self._dead_lettered_before = 0  # by earlier incarnations (from the checkpoint)
         self.limits = TrainerLimits.of(self.learner, self.config.intake)
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="learner")
@@ -252,6 +256,7 @@ class TrainerLoop:
     async def run(self, stop: asyncio.Event) -> dict:
         self.out_dir.mkdir(parents=True, exist_ok=True)
         try:
+            self.signer = trainer_signer(self.out_dir, self.config.signing_key)
             await self._resume()
             self.consumer = self.bus.consumer(
                 [self._topic("trajectories")], group_id=f"miles.{self.config.run}.trainer",
@@ -457,7 +462,8 @@ class TrainerLoop:
 
     async def _announce(self, record: WeightVersion) -> None:
         self.runner.fence.check()
-        await self.bus.publish(self._topic("control"), encode(record), key=b"weights")
+        await self.bus.publish(self._topic("control"), encode(self.signer.sign(record)),
+                               key=b"weights")
 
     async def _finish(self) -> None:
         if self.step and (not self.config.checkpoint_every or
@@ -513,5 +519,6 @@ class TrainerLoop:
         beat = Heartbeat(producer_id=f"trainer-{self.config.run}", role="trainer",
                          engine="fsdp2", policy_version=self.learner.policy_version,
                          trainer_generation=self.runner.fence.generation, extra=extra, created_at=time.time())
-        await self.bus.publish(self._topic("status"), encode(beat), key=b"trainer")
+        await self.bus.publish(self._topic("status"), encode(self.signer.sign(beat)),
+                               key=b"trainer")
 

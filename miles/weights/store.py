@@ -7,7 +7,9 @@ for full weights it is a Hugging Face model folder with one `model.safetensors`.
 names the safetensors file, and its sha256 and size travel in the `WeightVersion`.
 
 Only `file://` URIs for now: a shared file system (NFS, a mounted bucket) serves a cluster; an
-object-store scheme is a new `fetch` branch, not a new record.
+object-store scheme is a new `fetch` branch, not a new record. A reader names the store it
+trusts, and `fetch_version` refuses a URI that resolves (symlinks and `..` followed) outside it
+before it opens any file: an announcement cannot make a producer read `/etc/passwd`.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from collections.abc import Callable
 from pathlib import Path
 from urllib.parse import unquote, urlparse
 
-from miles.errors import WeightsError
+from miles.errors import MissingWeightsError, WeightsError
 from miles.protocol import WeightVersion
 
 WEIGHTS_FILES = {"lora": "adapter_model.safetensors", "full": "model.safetensors"}
@@ -95,15 +97,13 @@ def _versions(store: Path) -> list[Path]:
     return sorted(p for p in Path(store).glob("v*") if p.is_dir() and p.name[1:].isdigit())
 
 
-def fetch_version(version: WeightVersion) -> Path:
-    """The local folder of `version`, after checking the file's presence, size and sha256."""
-    parsed = urlparse(version.uri)
-    if parsed.scheme != "file":
-        raise WeightsError(f"version {version.policy_version}: only file:// URIs are supported, "
-                           f"got {version.uri!r}")
-    path = Path(unquote(parsed.path))
+def fetch_version(version: WeightVersion, store: str | Path) -> Path:
+    """The local folder of `version`, after checking that its file is inside `store` (resolved:
+    symlinks and `..` followed) and of the announced size and sha256. A missing file raises
+    `MissingWeightsError` (it may appear later), every other failure `WeightsError`."""
+    path = _local_path(version, store)
     if not path.is_file():
-        raise WeightsError(f"version {version.policy_version}: {path} does not exist")
+        raise MissingWeightsError(f"version {version.policy_version}: {path} does not exist")
     size = path.stat().st_size
     if size != version.bytes:
         raise WeightsError(f"version {version.policy_version}: {path} has {size} bytes, "
@@ -113,3 +113,21 @@ def fetch_version(version: WeightVersion) -> Path:
         raise WeightsError(f"version {version.policy_version}: sha256 of {path} is {digest}, "
                            f"announced {version.sha256}")
     return path.parent
+
+
+def _local_path(version: WeightVersion, store: str | Path) -> Path:
+    """The resolved file `version.uri` names; `WeightsError` unless it is a local `file://`
+    URI inside `store` (the check runs before any file is opened)."""
+    parsed = urlparse(version.uri)
+    if parsed.scheme != "file":
+        raise WeightsError(f"version {version.policy_version}: only file:// URIs are supported, "
+                           f"got {version.uri!r}")
+    if parsed.netloc not in ("", "localhost"):
+        raise WeightsError(f"version {version.policy_version}: {version.uri!r} names host "
+                           f"{parsed.netloc!r}; only local files are read")
+    root = Path(store).resolve()
+    path = Path(unquote(parsed.path)).resolve()
+    if not path.is_relative_to(root) or path == root:
+        raise WeightsError(f"version {version.policy_version}: {version.uri!r} resolves to "
+                           f"{path}, outside the weight store {root}")
+    return path

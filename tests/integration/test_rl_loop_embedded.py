@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -27,6 +28,8 @@ from miles.tasks.rewards import Scorer
 from miles.trainer import distributed
 from miles.trainer.learner import Learner, LearnerConfig
 from miles.trainer.loop import LoopConfig, StepRunner, TrainerLoop
+from miles.weights.following import FollowConfig
+from miles.weights.signing import Verifier, ensure_key_pair
 from tests.rewards import digit_for_odd_answers, starts_with_digit
 
 LORA = LoraSettings(r=4, alpha=8)
@@ -52,9 +55,11 @@ async def run_loop(model_dir, out_dir, *, max_staleness: int, lora: LoraSettings
         await bus.create_topics(run_topics(run, prompt_partitions=2, trajectory_partitions=2))
         await feed(bus, run, arithmetic_problems("train")[:200])
         engine = HFEngine(model_dir, lora=lora)
+        _, public_key = ensure_key_pair(Path(out_dir) / "keys")  # the trainer's default pair
         worker = RolloutWorker(bus, engine, Scorer(reward), RolloutConfig(
             run=run, sampling=SamplingParams(n=4, max_new_tokens=4), prompts_per_batch=PER_STEP,
-            groups_per_step=PER_STEP, max_staleness=max_staleness, heartbeat_s=0.2))
+            groups_per_step=PER_STEP, max_staleness=max_staleness, heartbeat_s=0.2,
+            weights=FollowConfig(store=Path(out_dir) / "weights", public_key=public_key)))
         learner = Learner(model_dir, LearnerConfig(lr=1e-2 if lora else 1e-4,
                                                    algorithm=algorithm), lora=lora)
         before = {n: full(p).clone() for n, p in learner.model.named_parameters()}
@@ -83,7 +88,10 @@ async def test_versions_advance_and_staleness_holds(model_dir, tmp_path, max_sta
     assert summary["steps"] == STEPS and summary["policy_version"] == STEPS
     assert changed and all("lora" in name for name in changed)
     assert [v.policy_version for v in versions] == list(range(STEPS + 1))
+    verifier = Verifier(tmp_path / "keys" / "control.pub", who="test")
+    assert all(verifier.refusal(v) is None for v in versions)  # signed by the trainer
     assert engine.policy_version >= STEPS - 1, "the producer hot-loaded new versions"
+    assert worker.counts["producer/unverified"] == 0 and worker.trainer.consumed > 0
     assert worker.counts["producer/weight_loads"] >= STEPS - 1
     lags = summary["lag_histogram"]
     assert max(lags) <= max_staleness

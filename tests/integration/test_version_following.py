@@ -20,6 +20,7 @@ from miles.rollout import RolloutConfig, RolloutWorker
 from miles.status import collect_status, format_status
 from miles.tasks.arithmetic import arithmetic_problems
 from miles.tasks.rewards import Scorer
+from miles.weights.following import FollowConfig
 from miles.weights.store import base_model_id, version_dir
 from tests.integration.test_weight_loading import versions, wait_for  # noqa: F401 (fixture)
 from tests.rewards import starts_with_digit
@@ -35,20 +36,21 @@ def trainer_beat(policy_version: int, generation: int, consumed: int = 0) -> byt
                             extra={"consumed": consumed}, created_at=time.time()))
 
 
-async def started_worker(bus, run, model_dir, **settings):
+async def started_worker(bus, run, model_dir, store, **settings):
     await bus.create_topics(run_topics(run, prompt_partitions=1, trajectory_partitions=1))
     engine = HFEngine(model_dir, lora=LORA)
     worker = RolloutWorker(bus, engine, Scorer(starts_with_digit), RolloutConfig(
-        run=run, base_model=base_model_id(model_dir), **{"heartbeat_s": 60, **settings}))
+        run=run, base_model=base_model_id(model_dir), weights=FollowConfig(store=store),
+        **{"heartbeat_s": 60, **settings}))
     stop = asyncio.Event()
     return engine, worker, stop, asyncio.create_task(worker.run(stop))
 
 
 async def test_a_resumed_trainer_is_followed_and_a_fenced_one_ignored(model_dir, versions):
-    _, records = versions
+    store, records = versions
     run = "lineage"
     async with open_bus("embedded://") as bus:
-        engine, worker, stop, running = await started_worker(bus, run, model_dir)
+        engine, worker, stop, running = await started_worker(bus, run, model_dir, store)
         control, status = topic_name(run, "control"), topic_name(run, "status")
 
         async def announce(version: int, generation: int) -> None:
@@ -107,7 +109,7 @@ async def test_a_missing_newest_file_falls_back_and_admission_says_what_it_waits
     try:
         async with open_bus("embedded://") as bus:
             engine, worker, stop, running = await started_worker(
-                bus, run, model_dir, sampling=SamplingParams(n=1, max_new_tokens=2),
+                bus, run, model_dir, store, sampling=SamplingParams(n=1, max_new_tokens=2),
                 prompts_per_batch=2, max_staleness=1, heartbeat_s=0.1)
             control = topic_name(run, "control")
             try:
@@ -116,8 +118,11 @@ async def test_a_missing_newest_file_falls_back_and_admission_says_what_it_waits
                 await feed(bus, run, arithmetic_problems("train")[:4], shuffle=False)
                 await wait_for(lambda: worker.counts["producer/groups"] == 4)
                 assert engine.policy_version == 4 and worker.counts["producer/weight_errors"] == 1
-                await bus.publish(control, encode(records[6]))  # needs >= 5: none loads
+                await bus.publish(control, encode(records[6]))
                 await wait_for(lambda: worker.counts["producer/weight_errors"] == 2)
+                assert worker.trainer.policy_version == 4  # a version that did not load
+                await bus.publish(topic_name(run, "status"), trainer_beat(6, generation=0))
+                await wait_for(lambda: worker.trainer.policy_version == 6)  # needs >= 5
                 await wait_for(lambda: worker.waiting is not None)
                 await feed(bus, run, arithmetic_problems("train")[4:6], shuffle=False)
                 await asyncio.sleep(1.0)  # several retries: reported once each, no groups
@@ -146,7 +151,7 @@ async def test_the_evaluator_follows_a_resumed_trainer_and_ignores_a_fenced_one(
                                                                                versions):
     from miles.evaluation import Evaluator
 
-    _, records = versions
+    store, records = versions
     run = "evaluated"
     async with open_bus("embedded://") as bus:
         await bus.create_topics(run_topics(run, prompt_partitions=1, trajectory_partitions=1))
@@ -159,7 +164,8 @@ async def test_the_evaluator_follows_a_resumed_trainer_and_ignores_a_fenced_one(
             loaded = await evaluator.load_newest()
             return evaluator.engine.policy_version if loaded else None
 
-        async with Evaluator(bus, run, model_dir, LORA, [], every_s=60) as evaluator:
+        async with Evaluator(bus, run, model_dir, LORA, [], every_s=60,
+                             weights=FollowConfig(store=store)) as evaluator:
             assert [await announce(v, generation=1) for v in (1, 3, 2)] == [1, 3, None]
             assert await announce(2, generation=2) == 2  # resumed from an older checkpoint
             assert await announce(6, generation=1) is None  # the fenced trainer

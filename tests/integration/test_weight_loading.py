@@ -23,6 +23,7 @@ from miles.tasks.arithmetic import arithmetic_problems
 from miles.tasks.rewards import Scorer
 from miles.trainer import distributed
 from miles.trainer.learner import Learner
+from miles.weights.following import FollowConfig
 from miles.weights.store import WEIGHTS_FILES, base_model_id, version_dir, write_version
 from tests.rewards import starts_with_digit
 
@@ -58,14 +59,15 @@ async def test_every_broken_version_is_rejected_and_generation_goes_on(model_dir
         replace(records[2], sha256="0" * 64),  # wrong sha256
         records[3], records[4],
         replace(records[5], base_model="another-model"),  # an adapter for another base
-        records[1],  # going backwards
+        replace(records[1], policy_version=0),  # going backwards from version 1, loaded
     ]
     run = "loading"
     async with open_bus("embedded://") as bus:
         await bus.create_topics(run_topics(run, prompt_partitions=1, trajectory_partitions=1))
         engine = HFEngine(model_dir, lora=LORA)
         worker = RolloutWorker(bus, engine, Scorer(starts_with_digit), RolloutConfig(
-            run=run, heartbeat_s=60, base_model=base_model_id(model_dir)))
+            run=run, heartbeat_s=60, base_model=base_model_id(model_dir),
+            weights=FollowConfig(store=store)))
         stop = asyncio.Event()
         running = asyncio.create_task(worker.run(stop))
         control = topic_name(run, "control")
@@ -85,7 +87,7 @@ async def test_every_broken_version_is_rejected_and_generation_goes_on(model_dir
             beats = [decode(r.value, Heartbeat) for r in await audit.poll(timeout_s=1)]
     errors = [b.extra["error"] for b in beats if "error" in b.extra]
     assert len(errors) == 5 and all(e.startswith(f"version {v}: ") for e, v in
-                                    zip(errors, [2, 3, 4, 5, 1]))
+                                    zip(errors, [2, 3, 4, 5, 0]))
     assert "sha256" in errors[0] and "does not exist" in errors[1]
     assert "bytes, announced" in errors[2] and "another-model" in errors[3]
     assert "versions only go forward" in errors[4]
@@ -107,7 +109,7 @@ class SlowEngine(HFEngine):
 
 
 async def test_load_time_counts_the_load_not_the_wait_behind_a_generate(model_dir, versions):
-    _, records = versions
+    store, records = versions
     run = "waiting"
     async with open_bus("embedded://") as bus:
         await bus.create_topics(run_topics(run, prompt_partitions=1, trajectory_partitions=1))
@@ -115,7 +117,7 @@ async def test_load_time_counts_the_load_not_the_wait_behind_a_generate(model_di
         engine = SlowEngine(model_dir, lora=LORA)
         worker = RolloutWorker(bus, engine, Scorer(starts_with_digit), RolloutConfig(
             run=run, sampling=SamplingParams(n=1, max_new_tokens=2), prompts_per_batch=2,
-            max_staleness=1000, heartbeat_s=60))
+            max_staleness=1000, heartbeat_s=60, weights=FollowConfig(store=store)))
         stop = asyncio.Event()
         running = asyncio.create_task(worker.run(stop))
         try:

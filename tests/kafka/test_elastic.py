@@ -24,12 +24,13 @@ pytestmark = [pytest.mark.kafka, pytest.mark.slow]
 PROMPTS = 160
 
 
-def producer(bus: str, run: str, model_dir, name: str, log):
+def producer(bus: str, run: str, model_dir, name: str, log, store):
     return spawn("producers.rollout", [
         f"bus={bus}", f"model_dir={model_dir}", "reward=tests.rewards:starts_with_digit",
         f"rollout.run={run}", f"rollout.producer_id={name}", "rollout.prompts_per_batch=2",
         "rollout.groups_per_step=4", "rollout.max_staleness=1000", "rollout.sampling.n=2",
-        "rollout.sampling.max_new_tokens=3", "rollout.heartbeat_s=0.5"], log)
+        "rollout.sampling.max_new_tokens=3", "rollout.heartbeat_s=0.5",
+        f"rollout.weights.store={store}"], log)
 
 
 def trained(out) -> list[str]:
@@ -45,8 +46,10 @@ async def test_a_killed_producer_s_prompts_reach_the_trainer(kafka_broker, model
         trainer = spawn("consumers.trainer", trainer_settings(
             kafka_broker.url, run, model_dir, out, groups_per_step=1, max_staleness=1000,
             checkpoint_every=0), tmp_path / "trainer.log")
-        a = producer(kafka_broker.url, run, model_dir, "producer-a", tmp_path / "a.log")
-        b = producer(kafka_broker.url, run, model_dir, "producer-b", tmp_path / "b.log")
+        a = producer(kafka_broker.url, run, model_dir, "producer-a", tmp_path / "a.log",
+                     out / "weights")
+        b = producer(kafka_broker.url, run, model_dir, "producer-b", tmp_path / "b.log",
+                     out / "weights")
         groups: list[TrajectoryGroup] = []
         try:
             async with bus.consumer([topic_name(run, "trajectories")], group_id="audit") as audit:

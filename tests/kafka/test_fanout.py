@@ -13,6 +13,7 @@ from miles.protocol.topics import run_topics, topic_name
 from miles.trainer import distributed
 from miles.trainer.learner import Learner
 from miles.trainer.model import LoraSettings
+from miles.weights.following import FollowConfig
 from miles.weights.store import write_version
 from tests.conftest import unique_run
 from tests.factories import make_command, make_group
@@ -44,7 +45,8 @@ async def test_evaluator_scores_the_stream_and_measures_each_new_version(kafka_b
                            base_model=str(model_dir), write=learner.export_weights)
     distributed.destroy()
     settings = EvaluatorSettings(bus=kafka_broker.url, run=run, model_dir=model_dir, lora=LORA,
-                                 eval_problems=20, every_s=0.5, out=tmp_path / "eval.jsonl")
+                                 eval_problems=20, every_s=0.5, out=tmp_path / "eval.jsonl",
+                                 weights=FollowConfig(store=tmp_path / "weights"))
     stop = asyncio.Event()
     async with open_bus(kafka_broker.url) as bus:
         await bus.create_topics(run_topics(run, trajectory_partitions=2))

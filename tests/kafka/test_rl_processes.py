@@ -19,6 +19,7 @@ from miles.feeder import feed
 from miles.protocol import WeightVersion, decode
 from miles.protocol.topics import run_topics, topic_name
 from miles.tasks.arithmetic import arithmetic_problems
+from miles.weights.signing import generate_key_pair
 from tests.conftest import unique_run
 from tests.accounting import ledger
 
@@ -59,11 +60,13 @@ async def test_producer_and_two_rank_trainer_processes(kafka_broker, model_dir, 
     async with open_bus(kafka_broker.url) as bus:
         await bus.create_topics(run_topics(run, prompt_partitions=2, trajectory_partitions=2))
         await feed(bus, run, arithmetic_problems("train")[:300])
+    _, public_key = generate_key_pair(tmp_path / "out" / "keys")  # the trainer's default pair
     producer = spawn("producers.rollout", [
         f"bus={kafka_broker.url}", f"model_dir={model_dir}", "reward=tests.rewards:starts_with_digit",
         f"rollout.run={run}", "rollout.prompts_per_batch=4", "rollout.groups_per_step=4",
         "rollout.max_staleness=1", "rollout.sampling.n=4", "rollout.sampling.max_new_tokens=4",
-        "rollout.heartbeat_s=0.5"], tmp_path / "producer.log")
+        "rollout.heartbeat_s=0.5", f"rollout.weights.store={tmp_path / 'out' / 'weights'}",
+        f"rollout.weights.public_key={public_key}"], tmp_path / "producer.log")
     trainer = spawn("consumers.trainer", trainer_settings(
         kafka_broker.url, run, model_dir, tmp_path / "out", groups_per_step=4, max_steps=4,
         max_staleness=1, checkpoint_every=2), tmp_path / "trainer.log", launcher=TORCHRUN_2)
@@ -75,6 +78,7 @@ async def test_producer_and_two_rank_trainer_processes(kafka_broker, model_dir, 
     producer_log = (tmp_path / "producer.log").read_text()
     assert producer_rc == 0, producer_log[-3000:]
     assert "loaded policy version 3" in producer_log or "loaded policy version 4" in producer_log
+    assert "ignoring" not in producer_log and "NO PUBLIC KEY" not in producer_log
     async with open_bus(kafka_broker.url) as bus:
         async with bus.consumer([topic_name(run, "control")], group_id="audit") as audit:
             records = []

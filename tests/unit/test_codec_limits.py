@@ -2,11 +2,13 @@
 
 Hostile records here are valid by the size limit and, but for their ignored fields, by the
 schema: before `MAX_OBJECTS_PER_RECORD`, 8 MiB of empty containers in an unknown field took
-~1.7 s to decode (and was accepted), a 1.4M-entry ignored map ~1 s.
+~1.7 s to decode (and was accepted), a 1.4M-entry ignored map ~1 s; now each is rejected in
+~30 ms. The tests check that the bound that stops the work early is the one that fires (its name
+in the reason), not the time: the loop-stall measurement on the real broker is
+`tests/kafka/test_hostile_wire.py`.
 """
 
 import struct
-import time
 
 import msgpack
 import numpy as np
@@ -17,9 +19,6 @@ from miles.protocol import (MAX_MAP_ENTRIES, MAX_RECORD_BYTES, MAX_SAMPLES_PER_G
                             TrajectoryGroup, decode, encode)
 from miles.protocol.codec import unpack
 from tests.factories import make_group, make_sample, pack_map, wire_map
-
-FAST_S = 0.5  # a rejection must take at most this (it takes ~30 ms; ~1.7 s before the bound)
-
 
 def with_ignored_field(value: bytes, room: int = 0) -> bytes:
     """A valid group's encoding with one more (unknown, ignored) top-level field of raw msgpack
@@ -37,10 +36,9 @@ def empty_arrays(total_bytes: int) -> bytes:
 
 
 def rejected_fast(data: bytes) -> CodecError:
-    began = time.perf_counter()
+    """The error decoding `data` raises (the callers check which bound raised it)."""
     with pytest.raises(CodecError) as info:
         decode(data)
-    assert time.perf_counter() - began < FAST_S
     return info.value
 
 
