@@ -80,16 +80,19 @@ class KafkaConsumer(Consumer):
 
     async def _connect(self) -> None:
         """One attempt with a fresh client (one whose start failed cannot start again); a
-        refused or failed start stops the client it made, so nothing is left unclosed."""
+        refused or failed start stops the client it made, so nothing is left unclosed. The
+        client is this consumer's while it starts: the group's first assignment can arrive
+        before `start()` returns, and the rebalance callbacks seek it."""
         client = self._client()
         client.subscribe(self.topics, listener=self._listener)
+        self._started = client
         try:
             await client.start()
         except BaseException:
+            self._started = None
             with contextlib.suppress(KafkaError):
                 await client.stop()
             raise
-        self._started = client
 
     @property
     def _consumer(self) -> AIOKafkaConsumer:

@@ -158,6 +158,23 @@ async def test_rebalance_callbacks_report_partitions(bus, run):
     assert revoked and revoked[-1] == {TopicPartition(topic, p) for p in range(3)}
 
 
+async def test_the_first_assignment_may_seek(bus, run):
+    """A consumer that keeps its own positions seeks every partition it is given, the first
+    assignment too (Kafka may hand it out while the consumer is still starting)."""
+    topic = topic_name(run, "control")
+    await publish_numbers(bus, topic, 6)
+    holder: list = []
+
+    async def on_assigned(tps):
+        for tp in tps:
+            holder[0].seek(tp, 4)
+
+    consumer = bus.consumer([topic], group_id=f"{run}-g", on_assigned=on_assigned)
+    holder.append(consumer)
+    async with consumer:
+        assert values(await collect(consumer, 2)) == [4, 5]
+
+
 async def test_a_revocation_may_commit_and_a_moved_partition_cannot_be(bus, run):
     topic = topic_name(run, "control")
     await publish_numbers(bus, topic, 5)

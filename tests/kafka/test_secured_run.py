@@ -23,6 +23,7 @@ import pytest
 
 from miles.protocol import WeightVersion, decode
 from miles.protocol.topics import topic_name
+from miles.weights.signing import generate_key_pair
 from tests.kafka.test_rl_processes import spawn, trainer_settings, wait_exit
 
 pytestmark = [pytest.mark.kafka, pytest.mark.slow]
@@ -99,6 +100,7 @@ async def test_a_run_with_each_role_on_its_own_credentials(secured, secured_run,
         "feeder", "producer", "trainer", "reader"))
     out = tmp_path / "out"
     out.mkdir()
+    _, public_key = generate_key_pair(out / "keys")  # the trainer's default pair
     assert "published 40 prompts" in miles_cli(
         ["feed", "--bus", url, "--run", run, "--limit", "40"], feeder)
     logs = {name: tmp_path / f"{name}.log" for name in ("producer", "trainer")}
@@ -106,7 +108,8 @@ async def test_a_run_with_each_role_on_its_own_credentials(secured, secured_run,
         f"bus={url}", f"model_dir={model_dir}", "reward=tests.rewards:starts_with_digit",
         f"rollout.run={run}", f"rollout.prompts_per_batch={PER_STEP}",
         f"rollout.groups_per_step={PER_STEP}", "rollout.max_staleness=1",
-        "rollout.sampling.n=2", "rollout.sampling.max_new_tokens=4", "rollout.heartbeat_s=0.5"],
+        "rollout.sampling.n=2", "rollout.sampling.max_new_tokens=4", "rollout.heartbeat_s=0.5",
+        f"rollout.weights.store={out / 'weights'}", f"rollout.weights.public_key={public_key}"],
         logs["producer"], env=producer_env)
     trainer = spawn("consumers.trainer", trainer_settings(
         url, run, model_dir, out, groups_per_step=PER_STEP, max_steps=STEPS, max_staleness=1,
