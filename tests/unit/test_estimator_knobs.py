@@ -224,3 +224,17 @@ def test_a_group_without_max_new_tokens_gets_no_guessed_overlong_penalty():
                           sampling={"max_new_tokens": 8})
     assert check_group(recorded, limits, policy_version=10) is None
     assert shaped_rewards(recorded, dapo).tolist() == [1.0, 0.0]
+
+
+def test_kl_penalised_returns_and_rewards():
+    # REINFORCE++ (Hu 2025): G_t = r - beta * sum_{i >= t} k1_i; k1 = [0.1, 0.2, 0.3], r = 1,
+    # beta = 0.5: G = [1 - 0.3, 1 - 0.25, 1 - 0.15] = [0.7, 0.75, 0.85]; padding 0.
+    # RLOO (Ahmadian et al. 2024): R = r - beta * sum_t k1 = 1 - 0.3 = 0.7.
+    from miles.rl.advantages import kl_penalised_returns, kl_penalised_rewards
+
+    kl = torch.tensor([[0.1, 0.2, 0.3, 9.0]])
+    mask = torch.tensor([[True, True, True, False]])
+    returns = kl_penalised_returns(torch.tensor([1.0]), kl, mask, 0.5)
+    assert_close(returns, torch.tensor([[0.7, 0.75, 0.85, 0.0]], dtype=torch.float64))
+    assert_close(kl_penalised_rewards(torch.tensor([1.0]), kl, mask, 0.5),
+                 torch.tensor([0.7], dtype=torch.float64))
