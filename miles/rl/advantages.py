@@ -261,8 +261,8 @@ def masked_whiten(values: torch.Tensor, mask: torch.Tensor, *, shift_mean: bool 
 def kl_penalised_rewards(rewards: torch.Tensor, kl: torch.Tensor, mask: torch.Tensor,
                          coef: float) -> torch.Tensor:
     """Sequence rewards [B] minus `coef` x the sum of the per-token `kl` ([B, T]) over each
-    row's `mask`ed tokens: the KL-penalised reward of RLOO (Ahmadian et al. 2024, Section 3: the
-    whole response is one action), before a group estimator."""
+    row's `mask`ed tokens: the KL-penalised reward of RLOO (Ahmadian et al. 2024: the whole
+    response is one action), before a group estimator."""
     return rewards.double() - coef * torch.where(mask, kl.double(), 0.0).sum(dim=-1)
 
 
@@ -270,7 +270,7 @@ def kl_penalised_returns(outcome: torch.Tensor, kl: torch.Tensor, mask: torch.Te
                          coef: float) -> torch.Tensor:
     """Per-token returns [B, T] of an outcome reward ([B], at the last token) with a per-token
     KL penalty: G_t = outcome - coef * sum_{i >= t} kl_i over the row's `mask`ed tokens (gamma 1;
-    REINFORCE++, Hu 2025, Section 3). Padded positions are 0. float64."""
+    REINFORCE++, Hu 2025). Padded positions are 0. float64."""
     penalty = torch.where(mask, kl.double(), 0.0)  # [B, T]
     to_go = penalty.flip(-1).cumsum(-1).flip(-1)  # [B, T] sum over i >= t
     return torch.where(mask, outcome.double().unsqueeze(-1) - coef * to_go, 0.0)

@@ -9,6 +9,7 @@ estimate the reverse KL(p || p_ref):
 - k3 = e^x - x - 1: unbiased, low variance, >= 0.
 Used as losses (differentiated through logp, samples fixed) they differ: in expectation k2's
 gradient is that of KL(p || p_ref), k3's is that of the forward KL(p_ref || p), and k1's is 0.
+`adaptive_kl_coef` is the adaptive KL controller of Ziegler et al. 2019.
 
 Simplifications:
 - x is clamped to +-LOG_RATIO_CLAMP for every kind (k3 exponentiates it).

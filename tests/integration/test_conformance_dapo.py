@@ -2,7 +2,7 @@
 through the real Learner (the `dapo` preset; dynamic sampling happens in the loop, before a
 step, and has its own tests).
 
-Overlong shaping with max_new_tokens 4 and buffer 2 (Section 3.4, eq. 13): a response of L tokens
+Overlong shaping with max_new_tokens 4 and buffer 2 (Section 3.4): a response of L tokens
 gets -penalty * min(1, max(0, L - (4 - 2)) / 2): a (2, 3, 4 tokens) -> 0, -0.5, -1; b -> 0, 0.
 Group a's shaped rewards [1, -0.5, -1]: mean -1/6, centred [7/6, -1/3, -5/6], population
 std sqrt((49/36 + 4/36 + 25/36) / 3) = 0.84984 -> A = [1.37281, -0.39223, -0.98058]; group b

@@ -1,4 +1,4 @@
-"""Dr. GRPO (Liu et al. 2025, "Understanding R1-Zero-like training", Section 3.1) through the real
+"""Dr. GRPO (Liu et al. 2025, "Understanding R1-Zero-like training") through the real
 Learner: A_i = r_i - mean(r) (no std division), per-sequence token sums over a constant, the
 maximum response length (the `dr_grpo` preset: aggregation seq_sum_constant).
 

@@ -1,4 +1,4 @@
-"""GRPO (Shao et al. 2024, "DeepSeekMath", Section 4.1.2, outcome supervision) through the real
+"""GRPO (Shao et al. 2024, "DeepSeekMath": outcome supervision) through the real
 Learner: A_i = (r_i - mean(r)) / std(r) per group, PPO-clip, token mean (the `grpo` preset).
 
 Group a, r = [1, 0, 0]: mean 1/3, population std sqrt(2)/3 = 0.4714 ->

@@ -1,4 +1,4 @@
-"""GSPO (Zheng et al. 2025, "Group sequence policy optimization", Section 4) through the real
+"""GSPO (Zheng et al. 2025, "Group sequence policy optimization") through the real
 Learner: GRPO advantages, the sequence ratio s_i = (pi / pi_old)^(1/|y_i|) clipped at
 [1 - 3e-4, 1 + 4e-4], sequence mean of token means; the behaviour correction at the same
 (geometric) sequence level (the `gspo` preset).

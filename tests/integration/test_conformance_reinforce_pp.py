@@ -1,4 +1,4 @@
-"""REINFORCE++ (Hu 2025, Section 3: global advantage normalisation over the batch's tokens)
+"""REINFORCE++ (Hu 2025: global advantage normalisation over the batch's tokens)
 through the real Learner: A = (r - mean) / std over every response token of the batch, whatever
 the group sizes; PPO-clip, token mean (the `reinforce_pp` preset).
 

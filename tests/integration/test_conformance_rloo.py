@@ -1,4 +1,4 @@
-"""RLOO (Ahmadian et al. 2024, "Back to basics", Section 3.3) through the real Learner:
+"""RLOO (Ahmadian et al. 2024, "Back to basics") through the real Learner:
 A_i = r_i - mean of the other n - 1 rewards; PPO-clip, token mean (the `rloo` preset).
 
 Group a, r = [1, 0, 0]: A = [1 - 0, 0 - 1/2, 0 - 1/2] = [1, -0.5, -0.5]; group b, r = [1, 1]:
