@@ -7,10 +7,12 @@ lowest config layer (`miles train --algo dapo --set learner.algorithm.loss.clip_
 from DAPO and overrides one field). `name` records the preset; naming it in a file or `--set`
 chooses the preset just as `--algo` does (`parse_config_args`). `miles algorithms` prints `PRESETS`.
 
+The KL to the reference enters either the loss (`loss.kl_coef` x the `loss.kl_kind` estimate,
+as GRPO does) or, with `kl_in_reward`, the reward (`loss.kl_coef` x the k1 KL of the sampling
+policy per token: InstructGPT with the critic; RLOO and REINFORCE++ without), never both
+(`policy_loss_settings`); `loss.kl_target` makes the coefficient adaptive (Ziegler et al. 2019).
+
 Simplifications:
-- KL to the reference as a reward penalty is per token and needs per-token rewards, so it is
-  offered with the critic (`estimator="gae"`, the InstructGPT recipe); critic-free estimators use
-  the KL as a loss term (as GRPO does).
 - Presets differ from their papers where a paper's setting only matters at a scale we cannot
   test here; each summary says so. No preset uses a KL term by default: on verifiable rewards
   DAPO and Dr. GRPO found it unnecessary, and it costs a reference forward per micro-batch.
@@ -18,10 +20,10 @@ Simplifications:
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from miles.errors import ConfigError
-from miles.rl.advantages import ADVANTAGE_ESTIMATORS
+from miles.rl.advantages import ADVANTAGE_ESTIMATORS, AdvantageSettings
 from miles.rl.losses import LossSettings
 
 ESTIMATORS = (*ADVANTAGE_ESTIMATORS, "gae")
@@ -33,9 +35,11 @@ class AlgorithmConfig:
 
     name: str = "grpo"  # the preset the other fields start from (one of PRESETS; like --algo)
     estimator: str = "grpo"  # advantages: grpo, dr_grpo, rloo, reinforce_pp, or gae (critic)
+    advantage: AdvantageSettings = field(default_factory=AdvantageSettings)  # estimator knobs
     loss: LossSettings = field(default_factory=LossSettings)  # objective, aggregation, IS, KL
     mini_batches: int = 1  # optimizer steps per batch; > 1 recomputes proximal logprobs first
-    kl_in_reward: bool = False  # gae only: loss.kl_coef * k1 KL per token enters the reward
+    kl_in_reward: bool = False  # loss.kl_coef * k1 KL per token enters the reward instead of
+    # the loss (gae: per-token rewards; critic-free: before the estimator)
     gamma: float = 1.0  # gae discount
     lam: float = 0.95  # gae lambda
     value_coef: float = 0.5  # weight of the critic's value loss
@@ -54,8 +58,14 @@ class AlgorithmConfig:
              f"estimator must be one of {list(ESTIMATORS)}, got {self.estimator!r}"),
             (self.mini_batches >= 1,
              f"mini_batches must be >= 1, got {self.mini_batches}"),
-            (not self.kl_in_reward or self.estimator == "gae",
-             "kl_in_reward needs estimator='gae' (per-token rewards)"),
+            (not self.kl_in_reward or self.loss.kl_coef > 0,
+             "kl_in_reward needs loss.kl_coef > 0 (the penalty's weight), got loss.kl_coef="
+             f"{self.loss.kl_coef}"),
+            (not (self.kl_in_reward and self.estimator == "reinforce_pp")
+             or self.advantage.normalise_over == "tokens",
+             "kl_in_reward under estimator='reinforce_pp' gives per-token returns, normalised "
+             "over tokens: advantage.normalise_over must be 'tokens', got "
+             f"{self.advantage.normalise_over!r}"),
             (0 < self.gamma <= 1, f"gamma must be in (0, 1], got {self.gamma}"),
             (0 <= self.lam <= 1, f"lam must be in [0, 1], got {self.lam}"),
             (self.value_coef > 0, f"value_coef must be > 0, got {self.value_coef}"),
@@ -70,6 +80,17 @@ class AlgorithmConfig:
         for ok, message in checks:
             if not ok:
                 raise ConfigError(message)
+        self.advantage.check(self.estimator)
+
+    def policy_loss_settings(self, kl_coef: float | None = None) -> LossSettings:
+        """The settings of the policy loss: `loss` with the KL term's coefficient `kl_coef` (the
+        adaptive controller's current one; None: loss.kl_coef), and no KL term at all under
+        kl_in_reward, where the KL is in the reward."""
+        if self.kl_in_reward:
+            return replace(self.loss, kl_coef=0.0, kl_target=None)
+        if kl_coef is None or kl_coef == self.loss.kl_coef:
+            return self.loss
+        return replace(self.loss, kl_coef=kl_coef)
 
     @property
     def uses_critic(self) -> bool:
@@ -113,25 +134,27 @@ PRESETS: dict[str, Preset] = {
          "overlong_penalty": 1.0, "loss": {"clip_low": 0.2, "clip_high": 0.28}}),
     "gspo": Preset(
         "GRPO advantages; sequence-level ratio (geometric mean of token ratios) clipped at "
-        "3e-4 / 4e-4, sequence mean of token means.",
+        "3e-4 / 4e-4, sequence mean of token means; the behaviour correction at the same "
+        "(geometric) sequence level.",
         "Zheng et al. 2025 (GSPO)",
         {"estimator": "grpo", "mini_batches": 2,
-         "loss": {"objective": "gspo", "aggregation": "seq_mean_token_mean"}}),
+         "loss": {"objective": "gspo", "aggregation": "seq_mean_token_mean",
+                  "is_level": "geometric"}}),
     "cispo": Preset(
-        "GRPO advantages; REINFORCE on every token weighted by the detached, clipped IS ratio "
-        "(upper bound only), token mean.",
+        "GRPO advantages; REINFORCE on every token weighted by the detached IS ratio, capped "
+        "at 1 + eps_high = 2, no floor (the paper's: no lower bound), token mean.",
         "MiniMax 2025 (MiniMax-M1)",
         {"estimator": "grpo", "mini_batches": 2,
-         "loss": {"objective": "cispo", "clip_low": 1.0, "clip_high": 1.0}}),
+         "loss": {"objective": "cispo", "cispo_eps_low": None, "cispo_eps_high": 1.0}}),
     "rloo": Preset(
         "Leave-one-out baseline (mean of the other n - 1 rewards), no std scaling; PPO-clip, "
         "token mean.",
         "Ahmadian et al. 2024 (Back to basics)",
         {"estimator": "rloo", "loss": {"clip_low": 0.2, "clip_high": 0.2}}),
     "reinforce_pp": Preset(
-        "Outcome reward normalised by the mean and std of the whole batch (no per-prompt "
-        "baseline); PPO-clip, token mean (the paper's KL-in-reward needs per-token rewards: "
-        "here only with the critic).",
+        "Outcome reward normalised by the mean and std over the tokens of the whole batch (no "
+        "per-prompt baseline; advantage.baseline: REINFORCE++-baseline); PPO-clip, token mean "
+        "(the paper's KL in the reward: kl_in_reward with loss.kl_coef, off by default).",
         "Hu 2025 (REINFORCE++)",
         {"estimator": "reinforce_pp", "loss": {"clip_low": 0.2, "clip_high": 0.2}}),
 }

@@ -6,7 +6,8 @@ staleness (asynchronous rollouts) and by engine/trainer numerics (kernels, preci
 PPO (Hilton et al. 2021, "Batch size-invariance for policy optimization") multiplies the
 objective by w = proximal / behaviour; as in AReaL (Fu et al. 2025) and "Your efficient RL
 framework secretly brings you off-policy RL training" (Yao et al. 2025), w is either truncated
-(TIS: min(w, upper)) or masked (MIS: 0 outside [lower, upper]), at one of three levels:
+(TIS: min(w, upper), and max(., lower) when a lower bound is given) or masked (MIS: 0 outside
+[lower, upper]), at one of three levels:
 - `token`: w_t = exp(proximal_t - behaviour_t);
 - `sequence`: exp(sum over the row's valid tokens of the log-ratio), the same for every token;
 - `geometric`: exp(mean over the row's valid tokens of the log-ratio), the same for every token.
@@ -15,7 +16,8 @@ Simplifications:
 - Weights are detached: they rescale the gradient, they are not optimised.
 - Log-ratios (the per-row sum or mean for the row levels) are clamped to +-LOG_RATIO_CLAMP
   before `exp`; masked-out positions count as log-ratio 0 and get weight 0.
-- Truncation has no lower bound; masking drops a whole row at the row levels.
+- Truncation's lower bound is optional (None: none, the usual TIS); masking drops a whole row at
+  the row levels.
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ class BehaviourWeights:
     """Detached behaviour importance weights of one micro-batch, all [B, T]."""
 
     weight: torch.Tensor  # [B, T] float: the weight applied to each token's loss (0 if padded)
-    truncated: torch.Tensor  # [B, T] bool: the raw ratio exceeded `upper` and was clamped
+    truncated: torch.Tensor  # [B, T] bool: the raw ratio was outside [lower, upper] and clamped
     masked: torch.Tensor  # [B, T] bool: the raw ratio was outside [lower, upper], weight 0
 
 
@@ -52,8 +54,9 @@ def behaviour_weights(proximal_logp: torch.Tensor, behaviour_logp: torch.Tensor,
                       lower: float | None = None) -> BehaviourWeights:
     """Importance weights proximal / behaviour ([B, T] logprobs, `mask` [B, T] bool).
 
-    truncate: w = min(ratio, upper); mask: w = ratio inside [lower, upper] (no lower bound when
-    `lower` is None), else 0. At the row levels one ratio per row decides for all its tokens.
+    truncate: w = clamp(ratio, lower, upper); mask: w = ratio inside [lower, upper], else 0 (no
+    lower bound when `lower` is None). At the row levels one ratio per row decides for all its
+    tokens.
     """
     if level not in IS_LEVELS or mode not in IS_MODES:
         raise ConfigError(f"behaviour weights: level must be one of {IS_LEVELS} and mode one of "
@@ -65,11 +68,11 @@ def behaviour_weights(proximal_logp: torch.Tensor, behaviour_logp: torch.Tensor,
             log_ratio = log_ratio / mask.sum(dim=-1, keepdim=True).clamp(min=1)
     ratio = log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp().expand_as(mask)  # [B, T]
     above = (ratio > upper) & mask  # [B, T]
-    if mode == "truncate":
-        weight = ratio.clamp(max=upper)
-        return BehaviourWeights(weight=torch.where(mask, weight, 0.0), truncated=above,
-                                masked=torch.zeros_like(mask))
     below = (ratio < lower) & mask if lower is not None else torch.zeros_like(mask)
+    if mode == "truncate":
+        weight = ratio.clamp(min=lower, max=upper)
+        return BehaviourWeights(weight=torch.where(mask, weight, 0.0), truncated=above | below,
+                                masked=torch.zeros_like(mask))
     dropped = above | below  # [B, T]
     return BehaviourWeights(weight=torch.where(mask & ~dropped, ratio, 0.0),
                             truncated=torch.zeros_like(mask), masked=dropped)

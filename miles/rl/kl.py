@@ -9,6 +9,7 @@ estimate the reverse KL(p || p_ref):
 - k3 = e^x - x - 1: unbiased, low variance, >= 0.
 Used as losses (differentiated through logp, samples fixed) they differ: in expectation k2's
 gradient is that of KL(p || p_ref), k3's is that of the forward KL(p_ref || p), and k1's is 0.
+`adaptive_kl_coef` is the adaptive KL controller of Ziegler et al. 2019.
 
 Simplifications:
 - x is clamped to +-LOG_RATIO_CLAMP for every kind (k3 exponentiates it).
@@ -58,3 +59,17 @@ def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
     logp = torch.log_softmax(logits.float(), dim=-1)  # [B, T, V]
     finite_logp = logp.masked_fill(torch.isneginf(logp), 0.0)  # [B, T, V]
     return -(logp.exp() * finite_logp).sum(dim=-1)
+
+
+KL_ERROR_CLIP = 0.2
+"""Bound on the adaptive controller's proportional error (Ziegler et al. 2019, Section 2.2)."""
+
+
+def adaptive_kl_coef(coef: float, *, kl: float, target: float, samples: float,
+                     horizon: float) -> float:
+    """The next KL coefficient of the adaptive controller of Ziegler et al. 2019 ("Fine-tuning
+    language models from human preferences", Section 2.2): e = clip((kl - target) / target,
+    -0.2, 0.2), coef * (1 + e * samples / horizon), with `kl` the measured KL per response and
+    `samples` the responses in the step (the paper's K_beta is samples / horizon)."""
+    error = min(max((kl - target) / target, -KL_ERROR_CLIP), KL_ERROR_CLIP)
+    return coef * (1.0 + error * samples / horizon)

@@ -46,11 +46,18 @@ class LossSettings(ObjectiveSettings):
 
     objective: str = "ppo"  # per-token objective: ppo, gspo or cispo
     aggregation: str = "token_mean"  # token_mean, seq_mean_token_mean or seq_sum_constant
-    is_level: Literal["token", "sequence", "geometric"] = "token"  # behaviour IS ratio level
-    is_mode: Literal["truncate", "mask"] = "truncate"  # clamp at is_upper, or zero out of range
+    is_level: Literal["token", "sequence", "geometric"] | None = None  # behaviour IS ratio
+    # level; None: geometric under objective gspo (its own sequence ratio's level), else token
+    is_mode: Literal["truncate", "mask"] = "truncate"  # clamp to the bounds, or zero outside
     is_upper: float = 2.0  # behaviour IS weight cap (truncate) or upper bound (mask)
-    is_lower: float | None = None  # mask mode only: lower bound of kept ratios; None: no bound
-    kl_coef: float = 0.0  # weight of the KL(current || reference) penalty; 0: off
+    is_lower: float | None = None  # truncate: weight floor; mask: lower bound of kept ratios;
+    # None: no lower bound
+    kl_coef: float = 0.0  # weight of the KL to the reference (the loss term, or the reward
+    # penalty under algorithm.kl_in_reward); the initial value under kl_target; 0: off
+    kl_target: float | None = None  # adaptive KL (Ziegler et al. 2019): target KL per response
+    # (nats, k1 summed over its tokens, batch mean); None: kl_coef stays fixed
+    kl_horizon: float = 10000.0  # adaptive KL: samples over which the coefficient moves by
+    # (1 + 0.2) at most: coef *= 1 + clip(kl / target - 1, +-0.2) * samples / horizon
     kl_kind: Literal["k1", "k2", "k3"] = "k3"  # per-token KL estimator (Schulman 2020)
     entropy_coef: float = 0.0  # weight of the entropy bonus (subtracted from the loss); 0: off
 
@@ -61,16 +68,19 @@ class LossSettings(ObjectiveSettings):
              f"objective must be one of {sorted(OBJECTIVES)}, got {self.objective!r}"),
             (self.aggregation in AGGREGATIONS,
              f"aggregation must be one of {sorted(AGGREGATIONS)}, got {self.aggregation!r}"),
-            (self.is_level in IS_LEVELS,
-             f"is_level must be one of {list(IS_LEVELS)}, got {self.is_level!r}"),
+            (self.is_level is None or self.is_level in IS_LEVELS,
+             f"is_level must be one of {list(IS_LEVELS)} or None, got {self.is_level!r}"),
             (self.is_mode in IS_MODES,
              f"is_mode must be one of {list(IS_MODES)}, got {self.is_mode!r}"),
             (self.is_upper >= 1, f"is_upper must be >= 1, got {self.is_upper}"),
-            (self.is_lower is None or self.is_mode == "mask",
-             f"is_lower only applies to is_mode='mask', got is_mode={self.is_mode!r}"),
             (self.is_lower is None or 0 <= self.is_lower <= 1,
              f"is_lower must be in [0, 1] or None, got {self.is_lower}"),
             (self.kl_coef >= 0, f"kl_coef must be >= 0, got {self.kl_coef}"),
+            (self.kl_target is None or self.kl_target > 0,
+             f"kl_target must be > 0 or None, got {self.kl_target}"),
+            (self.kl_target is None or self.kl_coef > 0, "kl_target needs kl_coef > 0 (the "
+             f"controller's initial coefficient), got kl_coef={self.kl_coef}"),
+            (self.kl_horizon > 0, f"kl_horizon must be > 0, got {self.kl_horizon}"),
             (self.kl_kind in KL_KINDS,
              f"kl_kind must be one of {list(KL_KINDS)}, got {self.kl_kind!r}"),
             (self.entropy_coef >= 0, f"entropy_coef must be >= 0, got {self.entropy_coef}"),
@@ -78,6 +88,13 @@ class LossSettings(ObjectiveSettings):
         for ok, message in checks:
             if not ok:
                 raise ConfigError(message)
+
+    @property
+    def behaviour_level(self) -> str:
+        """The behaviour IS level used: `is_level`, or its default for the objective."""
+        if self.is_level is not None:
+            return self.is_level
+        return "geometric" if self.objective == "gspo" else "token"
 
 
 def compute_policy_loss(logp: torch.Tensor, proximal_logp: torch.Tensor,
@@ -99,9 +116,9 @@ def compute_policy_loss(logp: torch.Tensor, proximal_logp: torch.Tensor,
         raise ValueError("compute_policy_loss: entropy_coef > 0 needs entropy")
     terms = get_objective(settings.objective)(logp, proximal_logp, advantages, mask,
                                               settings=settings)
-    weights = behaviour_weights(proximal_logp, behaviour_logp, mask, level=settings.is_level,
-                                mode=settings.is_mode, upper=settings.is_upper,
-                                lower=settings.is_lower)
+    weights = behaviour_weights(proximal_logp, behaviour_logp, mask,
+                                level=settings.behaviour_level, mode=settings.is_mode,
+                                upper=settings.is_upper, lower=settings.is_lower)
     aggregate = get_aggregation(settings.aggregation)
     token_loss = weights.weight * terms.loss  # [B, T]
     loss = aggregate(token_loss, mask, normalisers)

@@ -14,8 +14,10 @@ and aggregated (`miles.rl.aggregation`) elsewhere. `OBJECTIVES` maps config name
   (logp - proximal_logp)). Its value is s_i on every token and d s_i,t / d logp_t = s_i, so with
   a per-sequence advantage and `seq_mean_token_mean` aggregation the value and gradient equal the
   sequence-level GSPO objective. Clipped per sequence with its own (much tighter) bounds.
-- `cispo`: CISPO (MiniMax 2025, "MiniMax-M1"): -sg(clip(ratio, 1 - clip_low, 1 + clip_high)) *
-  A * logp. Every token keeps a gradient (through logp only); clipping bounds its weight.
+- `cispo`: CISPO (MiniMax 2025, "MiniMax-M1", Section 3.1): -sg(clip(ratio, 1 - eps_low,
+  1 + eps_high)) * A * logp with its own bounds `cispo_eps_low` / `cispo_eps_high`, either of
+  them None for "no bound" (the paper sets no lower bound and tunes only eps_high). Every token
+  keeps a gradient (through logp only); clipping bounds its weight.
 
 Simplifications:
 - `ratio` in the terms is for metrics; for `cispo` it is detached (its gradient is not used).
@@ -40,16 +42,18 @@ from miles.rl.ratios import LOG_RATIO_CLAMP, clamped_ratio
 class ObjectiveSettings:
     """Clip bounds of the policy objectives; each objective reads the fields it needs."""
 
-    clip_low: float = 0.2  # ppo, cispo: lower ratio bound 1 - clip_low (1.0: no lower bound)
-    clip_high: float = 0.28  # ppo, cispo: upper ratio bound 1 + clip_high (clip-higher, DAPO)
+    clip_low: float = 0.2  # ppo: lower ratio bound 1 - clip_low
+    clip_high: float = 0.28  # ppo: upper ratio bound 1 + clip_high (clip-higher, DAPO)
     dual_clip: float | None = None  # ppo: cap of the A < 0 loss at -dual_clip * A (> 1); None: off
     seq_clip_low: float = 3e-4  # gspo: lower sequence-ratio bound 1 - seq_clip_low
     seq_clip_high: float = 4e-4  # gspo: upper sequence-ratio bound 1 + seq_clip_high
+    cispo_eps_low: float | None = None  # cispo: IS weight floor 1 - eps_low; None: no floor
+    cispo_eps_high: float | None = 1.0  # cispo: IS weight cap 1 + eps_high; None: no cap
 
     def __post_init__(self) -> None:
         checks = [
             (0 <= self.clip_low <= 1, f"clip_low must be in [0, 1], got {self.clip_low}"),
-            (self.clip_high >= self.clip_low,
+            (self.clip_high >= self.clip_low,  # ppo's clip-higher; cispo has its own bounds
              f"clip_high must be >= clip_low ({self.clip_low}), got {self.clip_high}"),
             (self.dual_clip is None or self.dual_clip > 1,
              f"dual_clip must be > 1 or None, got {self.dual_clip}"),
@@ -57,6 +61,10 @@ class ObjectiveSettings:
              f"seq_clip_low must be in [0, 1], got {self.seq_clip_low}"),
             (self.seq_clip_high >= 0,
              f"seq_clip_high must be >= 0, got {self.seq_clip_high}"),
+            (self.cispo_eps_low is None or 0 <= self.cispo_eps_low <= 1,
+             f"cispo_eps_low must be in [0, 1] or None (no floor), got {self.cispo_eps_low}"),
+            (self.cispo_eps_high is None or self.cispo_eps_high >= 0,
+             f"cispo_eps_high must be >= 0 or None (no cap), got {self.cispo_eps_high}"),
         ]
         for ok, message in checks:
             if not ok:
@@ -115,13 +123,16 @@ def gspo(logp: torch.Tensor, proximal_logp: torch.Tensor, advantages: torch.Tens
 
 def cispo(logp: torch.Tensor, proximal_logp: torch.Tensor, advantages: torch.Tensor,
           mask: torch.Tensor, *, settings: ObjectiveSettings) -> ObjectiveTerms:
-    """CISPO: -sg(clip(r, 1 - clip_low, 1 + clip_high)) * A * logp, r = exp(logp - proximal).
+    """CISPO: -sg(clip(r, 1 - cispo_eps_low, 1 + cispo_eps_high)) * A * logp, r = exp(logp -
+    proximal); a bound that is None is not applied.
 
     The gradient flows through `logp` only. `clipped`: r lies outside the bounds.
     """
     logp, proximal_logp = _masked(logp, mask), _masked(proximal_logp.detach(), mask)
     ratio = clamped_ratio(logp.detach(), proximal_logp)  # [B, T]
-    weight = ratio.clamp(1.0 - settings.clip_low, 1.0 + settings.clip_high)  # [B, T]
+    low, high = settings.cispo_eps_low, settings.cispo_eps_high
+    weight = ratio if low is None and high is None else ratio.clamp(
+        min=None if low is None else 1.0 - low, max=None if high is None else 1.0 + high)
     loss = -weight * advantages * logp  # [B, T]
     return ObjectiveTerms(loss=_masked(loss, mask), ratio=ratio, clipped=(weight != ratio) & mask)
 

@@ -27,8 +27,13 @@ Simplifications:
   budget before it reaches a batch.)
 - One sampling setting (temperature, top_k, top_p) per micro-batch: rows are split by setting
   first, so a batch mixing settings gives more, smaller micro-batches, never an error.
-- Estimators that normalise over the batch (`reinforce_pp`) see all groups at once when every
-  group has the same number of samples; a batch mixing group sizes is estimated group by group.
+- Outcome advantages are computed over the whole list of groups given (`batch_advantages`):
+  `reinforce_pp` normalises over all of them whatever their sizes, counting each sample's
+  trained response tokens (none for a masked truncated response) under
+  `advantage.normalise_over="tokens"`.
+- The overlong penalty needs each group's recorded `sampling.max_new_tokens`: a group without it
+  is refused (`shaped_rewards` raises; the trainer's intake dead-letters it first), since
+  falling back to the longest response would give that response the full penalty.
 """
 
 from __future__ import annotations
@@ -39,8 +44,14 @@ import torch
 
 from miles.errors import MilesError
 from miles.protocol import Sample, TrajectoryGroup
-from miles.rl.advantages import get_estimator
+from miles.rl.advantages import batch_advantages
 from miles.rl.algorithm import AlgorithmConfig
+
+
+OVERLONG_NEEDS_LIMIT = ("sampling.max_new_tokens must be recorded (> 0) under the overlong "
+                        "penalty (learner.algorithm.overlong_buffer > 0): without it the longest "
+                        "response would take the full penalty")
+"""Why a group without a recorded response limit is refused under the overlong penalty."""
 
 
 @dataclass(frozen=True)
@@ -114,36 +125,51 @@ def sampling_setting(group: TrajectoryGroup) -> SamplingSetting:
                            top_p=top_p)
 
 
+def recorded_max_new_tokens(group: TrajectoryGroup) -> int:
+    """The response length limit recorded with `group`; 0 when not recorded."""
+    return int(group.sampling.get("max_new_tokens", 0))
+
+
 def max_new_tokens(group: TrajectoryGroup) -> int:
-    """The response length limit `group` was sampled with (its longest response if unrecorded)."""
-    recorded = int(group.sampling.get("max_new_tokens", 0))
+    """The response length limit `group` was sampled with (its longest response if unrecorded:
+    the constant of `seq_sum_constant`)."""
+    recorded = recorded_max_new_tokens(group)
     return recorded if recorded > 0 else max(len(s.response_token_ids) for s in group.samples)
 
 
 def shaped_rewards(group: TrajectoryGroup, algorithm: AlgorithmConfig) -> torch.Tensor:
     """The recorded rewards of `group` ([n]), plus DAPO's overlong penalty when configured:
     0 up to max_new_tokens - overlong_buffer tokens, then falling linearly to -overlong_penalty
-    at max_new_tokens."""
+    at max_new_tokens. A group without a recorded max_new_tokens is refused (MilesError)."""
     rewards = torch.tensor([s.reward for s in group.samples], dtype=torch.float64)  # [n]
     if algorithm.overlong_buffer:
-        limit = max_new_tokens(group)
+        limit = recorded_max_new_tokens(group)
+        if limit <= 0:
+            raise MilesError(f"group {group.group_id}: {OVERLONG_NEEDS_LIMIT}")
         lengths = torch.tensor([len(s.response_token_ids) for s in group.samples])  # [n]
         excess = (lengths - (limit - algorithm.overlong_buffer)).clamp(min=0)
         rewards -= (excess / algorithm.overlong_buffer).clamp(max=1.0) * algorithm.overlong_penalty
     return rewards
 
 
+def trained_tokens(group: TrajectoryGroup, algorithm: AlgorithmConfig) -> torch.Tensor:
+    """Response tokens of each sample of `group` that get a loss ([n]; 0 for a masked
+    truncated response): what `reinforce_pp` counts under normalise_over="tokens"."""
+    return torch.tensor([0 if algorithm.mask_truncated and s.finish_reason == "length"
+                         else len(s.response_token_ids) for s in group.samples],
+                        dtype=torch.float64)
+
+
 def outcome_advantages(groups: list[TrajectoryGroup], algorithm: AlgorithmConfig
                        ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """(shaped rewards, advantages) per group ([n] each) under `algorithm.estimator`; zero
-    advantages for `gae`, whose advantages come from the critic."""
+    """(shaped rewards, advantages) per group ([n] each) under `algorithm.estimator`, over the
+    whole list of groups; zero advantages for `gae`, whose advantages come from the critic."""
     rewards = [shaped_rewards(g, algorithm) for g in groups]
     if algorithm.uses_critic or not groups:
         return rewards, [torch.zeros(len(r)) for r in rewards]
-    estimator = get_estimator(algorithm.estimator)
-    if len({len(r) for r in rewards}) == 1:
-        return rewards, list(estimator(torch.stack(rewards)).unbind(0))  # [G, n] at once
-    return rewards, [estimator(r.unsqueeze(0))[0] for r in rewards]
+    return rewards, batch_advantages(rewards, estimator=algorithm.estimator,
+                                     settings=algorithm.advantage,
+                                     weights=[trained_tokens(g, algorithm) for g in groups])
 
 
 def group_rows(group: TrajectoryGroup, rewards: torch.Tensor, advantages: torch.Tensor, *,

@@ -38,7 +38,8 @@ from miles.protocol import TrajectoryGroup
 from miles.protocol.fields import preview
 from miles.protocol.limits import MAX_TOKENS_PER_SEQUENCE
 from miles.rl.algorithm import AlgorithmConfig
-from miles.trainer.batching import outcome_advantages
+from miles.trainer.batching import (OVERLONG_NEEDS_LIMIT, outcome_advantages,
+                                    recorded_max_new_tokens)
 
 if TYPE_CHECKING:
     from miles.trainer.learner import Learner
@@ -99,7 +100,8 @@ class Rejection:
 def check_group(group: TrajectoryGroup, limits: TrainerLimits, *,
                 policy_version: int) -> Rejection | None:
     """The first rule `group` breaks for a trainer at `policy_version` with `limits`, or None."""
-    return (check_sampling(group, limits) or check_vocabulary(group, limits)
+    return (check_sampling(group, limits) or check_overlong(group, limits)
+            or check_vocabulary(group, limits)
             or check_lengths(group, limits) or check_versions(group, policy_version)
             or check_rewards(group, limits) or check_advantages(group, limits))
 
@@ -124,6 +126,15 @@ def check_sampling(group: TrajectoryGroup, limits: TrainerLimits) -> Rejection |
         if name in params and not (typed(params[name]) and in_range(params[name])):
             return Rejection("sampling", f"sampling.{name}",
                              f"must be {expected}, got {preview(params[name])}")
+    return None
+
+
+def check_overlong(group: TrajectoryGroup, limits: TrainerLimits) -> Rejection | None:
+    """Under the overlong penalty the group records the response limit it was sampled with
+    (else its longest response would be taken for the limit and get the full penalty)."""
+    if limits.algorithm.overlong_buffer and recorded_max_new_tokens(group) <= 0:
+        return Rejection("overlong", "sampling.max_new_tokens",
+                         OVERLONG_NEEDS_LIMIT.removeprefix("sampling.max_new_tokens "))
     return None
 
 

@@ -51,6 +51,7 @@ from miles.rl.kl import entropy_from_logits, kl_estimate
 from miles.rl.losses import MAX_METRICS, clipped_value_loss, compute_policy_loss
 from miles.rl.sampling import process_logits
 from miles.trainer import critic, distributed
+from miles.trainer.kl_penalty import KLPenalty
 from miles.trainer.batching import (MicroBatch, idle_micro_batch, make_micro_batches,
                                     max_new_tokens, outcome_advantages)
 from miles.trainer.model import (PRECISIONS, LoraSettings, apply_fsdp, compute_dtype,
@@ -216,6 +217,7 @@ class Learner:
                         self.model.config.model_type)
         self.policy_version = 0
         self.steps = 0  # train_step calls, critic warm-up included
+        self.kl = KLPenalty(self.algorithm)  # the KL coefficient (fixed or adaptive)
 
     def _placed(self, model: torch.nn.Module) -> torch.nn.Module:
         """`model` on this rank's device, unless it is still on the meta device (sharded load:
@@ -349,7 +351,8 @@ class Learner:
         if apply:
             self.steps += 1
             self.policy_version += int(train_actor)
-        return self._reduce(sums, norms, slices)
+            self.kl.update()
+        return {**self._reduce(sums, norms, slices), **self.kl.metrics()}
 
     def _normalisers(self, batches: list[MicroBatch], limit: int) -> Normalisers:
         """Token and row counts of a slice over all ranks; `limit` is its max_new_tokens."""
@@ -375,6 +378,7 @@ class Learner:
                     self._prepare_gae(batch, extra)
                 extras.append(extra)
             out.append(extras)
+        self.kl.prepare([b for s in slices for b in s], [e for extras in out for e in extras])
         if a.uses_critic:
             self._whiten([e for extras in out for e in extras], slices)
         return out
@@ -387,7 +391,7 @@ class Learner:
         if a.kl_in_reward:  # InstructGPT: k1 KL of the sampling policy to the reference
             penalty = kl_estimate(batch.behaviour_logprobs.to(self.device), extra.reference,
                                   "k1")
-        rewards = token_rewards(batch.rewards.to(self.device), mask, penalty, a.loss.kl_coef)
+        rewards = token_rewards(batch.rewards.to(self.device), mask, penalty, self.kl.coef)
         extra.advantages, extra.returns = gae_advantages(rewards, extra.old_values, mask,
                                                          gamma=a.gamma, lam=a.lam)
 
@@ -421,7 +425,7 @@ class Learner:
 
     def _policy_loss(self, batch: MicroBatch, extra: Prepared, normalisers: Normalisers,
                      mask: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        settings = self.algorithm.loss
+        settings = self.kl.loss_settings()  # no KL term when it is in the reward
         processed = self._processed(self._forward(self.model, batch).logits, batch)
         logp = self._gather(processed, batch)  # [B, L-1]
         entropy = batch.unpack(entropy_from_logits(  # [B, L-1]

@@ -123,9 +123,10 @@ def test_the_algorithm_name_chooses_the_preset_like_algo(tmp_path):
     by_flag = parse_args(["--algo", "dapo"]).learner.algorithm
     by_name = parse_args(["--set", "learner.algorithm.name=dapo"]).learner.algorithm
     assert by_name == by_flag and by_name.dynamic_sampling and by_name.overlong_buffer == 2
-    path = tmp_path / "c.toml"  # fields valid only over the preset: kl_in_reward needs gae
-    path.write_text('[learner.algorithm]\nname = "ppo"\nkl_in_reward = true\n')
-    assert parse_args(["--config", str(path)]).learner.algorithm.estimator == "gae"
+    path = tmp_path / "c.toml"  # fields valid only over the preset: baseline is reinforce_pp's
+    path.write_text('[learner.algorithm]\nname = "reinforce_pp"\n'
+                    '[learner.algorithm.advantage]\nbaseline = true\n')
+    assert parse_args(["--config", str(path)]).learner.algorithm.estimator == "reinforce_pp"
     assert parse_args([]).learner.algorithm.name == "grpo"
     with pytest.raises(ConfigError, match="--algo dapo and learner.algorithm.name='ppo' disagree"):
         parse_args(["--algo", "dapo", "--set", "learner.algorithm.name=ppo"])

@@ -8,6 +8,7 @@ from torch.testing import assert_close
 
 from miles.errors import ConfigError
 from miles.rl.aggregation import Normalisers, aggregate_seq_mean_token_mean
+from miles.rl.losses import LossSettings
 from miles.rl.objectives import (OBJECTIVES, ObjectiveSettings, cispo, get_objective, gspo,
                                  ppo_clip)
 
@@ -91,7 +92,7 @@ def test_cispo_detached_clipped_weight_times_logp():
     logp = ratios_as_logp([[1.5, 0.5, 1.0]])
     adv = torch.tensor([[1.0, -1.0, 2.0]])
     terms = cispo(logp, torch.zeros(1, 3), adv, torch.ones(1, 3, dtype=torch.bool),
-                  settings=SETTINGS)
+                  settings=ObjectiveSettings(cispo_eps_low=0.2, cispo_eps_high=0.28))
     # weights clip(r, 0.8, 1.28) = 1.28, 0.8, 1; loss = -w A logp
     assert_close(terms.loss, torch.tensor([[-1.28 * math.log(1.5), 0.8 * math.log(0.5), 0.0]]))
     assert terms.clipped.tolist() == [[True, True, False]]
@@ -99,6 +100,34 @@ def test_cispo_detached_clipped_weight_times_logp():
     terms.loss.sum().backward()
     # gradient -w A on every token, clipped ones included
     assert_close(logp.grad, torch.tensor([[-1.28, 0.8, -2.0]]))
+
+
+def test_cispo_bounds_as_in_minimax_m1_no_floor_and_eps_high():
+    # Issue 15, finding 7: MiniMax-M1 (Section 3.1) sets no lower bound on the IS weight and
+    # tunes eps_high only; cispo reads its own bounds, None meaning "no bound", and the PPO
+    # check clip_high >= clip_low does not get in the way.
+    settings = LossSettings(objective="cispo", cispo_eps_low=None, cispo_eps_high=0.28)
+    logp = ratios_as_logp([[1.5, 0.5, 0.01]])
+    terms = cispo(logp, torch.zeros(1, 3), torch.ones(1, 3), torch.ones(1, 3, dtype=torch.bool),
+                  settings=settings)
+    terms.loss.sum().backward()
+    # weights min(r, 1.28) = 1.28, 0.5, 0.01 (no floor): gradient -w A
+    assert_close(logp.grad, torch.tensor([[-1.28, -0.5, -0.01]]))
+    assert terms.clipped.tolist() == [[True, False, False]]
+    uncapped = ObjectiveSettings(cispo_eps_low=None, cispo_eps_high=None)
+    logp = ratios_as_logp([[5.0]])
+    cispo(logp, torch.zeros(1, 1), torch.ones(1, 1), torch.ones(1, 1, dtype=torch.bool),
+          settings=uncapped).loss.sum().backward()
+    assert_close(logp.grad, torch.tensor([[-5.0]]))  # no cap either: plain IS-weighted REINFORCE
+
+
+@pytest.mark.parametrize("kwargs, field", [
+    (dict(cispo_eps_low=1.5), "cispo_eps_low"),
+    (dict(cispo_eps_high=-0.1), "cispo_eps_high"),
+])
+def test_cispo_bounds_validation(kwargs, field):
+    with pytest.raises(ConfigError, match=field):
+        ObjectiveSettings(**kwargs)
 
 
 @pytest.mark.parametrize("name", sorted(OBJECTIVES))
