@@ -34,7 +34,9 @@ class AlgorithmConfig:
     name: str = "grpo"  # the preset the other fields start from (one of PRESETS; like --algo)
     estimator: str = "grpo"  # advantages: grpo, dr_grpo, rloo, reinforce_pp, or gae (critic)
     loss: LossSettings = field(default_factory=LossSettings)  # objective, aggregation, IS, KL
-    mini_batches: int = 1  # optimizer steps per batch; > 1 recomputes proximal logprobs first
+    mini_batches: int = 1  # optimizer updates per pass over the batch (groups split evenly)
+    ppo_epochs: int = 1  # passes over the batch; updates per step = ppo_epochs x mini_batches
+    # (> 1 update: proximal logprobs and old values are scored once, before the first)
     kl_in_reward: bool = False  # gae only: loss.kl_coef * k1 KL per token enters the reward
     gamma: float = 1.0  # gae discount
     lam: float = 0.95  # gae lambda
@@ -54,6 +56,7 @@ class AlgorithmConfig:
              f"estimator must be one of {list(ESTIMATORS)}, got {self.estimator!r}"),
             (self.mini_batches >= 1,
              f"mini_batches must be >= 1, got {self.mini_batches}"),
+            (self.ppo_epochs >= 1, f"ppo_epochs must be >= 1, got {self.ppo_epochs}"),
             (not self.kl_in_reward or self.estimator == "gae",
              "kl_in_reward needs estimator='gae' (per-token rewards)"),
             (0 < self.gamma <= 1, f"gamma must be in (0, 1], got {self.gamma}"),
@@ -93,13 +96,15 @@ PRESETS: dict[str, Preset] = {
         "whitened over the batch; PPO-clip actor loss, clipped value loss.",
         "Schulman et al. 2017 (PPO); Ouyang et al. 2022 (InstructGPT)",
         {"estimator": "gae", "lam": 0.95, "gamma": 1.0, "value_clip": 0.2,
+         "ppo_epochs": 4, "mini_batches": 1,
          "loss": {"clip_low": 0.2, "clip_high": 0.2}}),
     "grpo": Preset(
         "Group-normalised outcome reward (mean and std over the n samples of a prompt); "
         "PPO-clip, token mean over the batch (the paper's per-sequence mean and KL loss are "
         "options: loss.aggregation, loss.kl_coef).",
         "Shao et al. 2024 (DeepSeekMath)",
-        {"estimator": "grpo", "loss": {"clip_low": 0.2, "clip_high": 0.28}}),
+        {"estimator": "grpo", "ppo_epochs": 1, "mini_batches": 1,
+         "loss": {"clip_low": 0.2, "clip_high": 0.28}}),
     "dr_grpo": Preset(
         "Group-centred reward without the std division; per-sequence token sums over a constant "
         "(max_new_tokens), so neither length nor difficulty reweights the gradient.",
@@ -110,18 +115,19 @@ PRESETS: dict[str, Preset] = {
         "with equal rewards dropped and refilled), overlong reward shaping.",
         "Yu et al. 2025 (DAPO)",
         {"estimator": "grpo", "dynamic_sampling": True, "overlong_buffer": 2,
-         "overlong_penalty": 1.0, "loss": {"clip_low": 0.2, "clip_high": 0.28}}),
+         "overlong_penalty": 1.0, "ppo_epochs": 1, "mini_batches": 16,
+         "loss": {"clip_low": 0.2, "clip_high": 0.28}}),
     "gspo": Preset(
         "GRPO advantages; sequence-level ratio (geometric mean of token ratios) clipped at "
         "3e-4 / 4e-4, sequence mean of token means.",
         "Zheng et al. 2025 (GSPO)",
-        {"estimator": "grpo", "mini_batches": 2,
+        {"estimator": "grpo", "ppo_epochs": 1, "mini_batches": 4,
          "loss": {"objective": "gspo", "aggregation": "seq_mean_token_mean"}}),
     "cispo": Preset(
         "GRPO advantages; REINFORCE on every token weighted by the detached, clipped IS ratio "
         "(upper bound only), token mean.",
         "MiniMax 2025 (MiniMax-M1)",
-        {"estimator": "grpo", "mini_batches": 2,
+        {"estimator": "grpo", "ppo_epochs": 1, "mini_batches": 2,
          "loss": {"objective": "cispo", "clip_low": 1.0, "clip_high": 1.0}}),
     "rloo": Preset(
         "Leave-one-out baseline (mean of the other n - 1 rewards), no std scaling; PPO-clip, "

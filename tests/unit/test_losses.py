@@ -146,8 +146,13 @@ def test_composed_loss_hand_computed():
                 "is_weight_max": 2.0, "is_truncated": 1.0, "is_masked": 0.0,
                 "kl_behaviour_sum": k3(3.0) + k3(0.5), "kl_mismatch_sum": k3(3.0) + k3(0.5),
                 "mismatch_sum": math.log(3.0) + math.log(2.0), "kl_ref_sum": 1.7,
-                "entropy_sum": 6.0}
+                "entropy_sum": 6.0,
+                # current == proximal: ratio 1, nothing clipped on either side, approx-KL 0
+                "clipped_low": 0.0, "clipped_high": 0.0, "kl_proximal_sum": 0.0,
+                # the three aggregated terms the loss adds up: -2/3, 0.1 * 1.7/3, -0.01 * 6/3
+                "policy_loss": -2.0 / 3, "kl_loss": 0.17 / 3, "entropy_loss": -0.06 / 3}
     assert m.keys() == expected.keys()
+    assert_close(m["policy_loss"] + m["kl_loss"] + m["entropy_loss"], loss.detach())
     for key, value in expected.items():
         assert_close(m[key], torch.tensor(value), msg=key)
     assert all(not v.requires_grad for v in m.values())
