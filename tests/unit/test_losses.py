@@ -233,3 +233,17 @@ def test_composed_accumulation_is_exact(objective, aggregation):
 def test_loss_settings_validation_names_the_field(kwargs, field):
     with pytest.raises(ConfigError, match=field):
         LossSettings(**kwargs)
+
+
+def test_clip_fractions_split_by_side_and_the_proximal_kl():
+    # ratios 0.7 (A < 0: clipped at 0.8, low side), 1.3 (A > 0: clipped at 1.28, high side),
+    # 1.1 (inside the bounds); k3 KL(proximal || current) = r - 1 - log r per token
+    ratio = torch.tensor([[0.7, 1.3, 1.1]])
+    logp, proximal = ratio.log(), torch.zeros(1, 3)
+    adv, mask = torch.tensor([[-1.0, 1.0, 1.0]]), torch.ones(1, 3, dtype=torch.bool)
+    _, m = compute_policy_loss(logp, proximal, proximal, adv, mask,
+                               normalisers=Normalisers(tokens=3.0, rows=1.0),
+                               settings=LossSettings(clip_low=0.2, clip_high=0.28))
+    assert (float(m["clipped"]), float(m["clipped_low"]), float(m["clipped_high"])) == (2, 1, 1)
+    k3 = sum(r - 1 - math.log(r) for r in (0.7, 1.3, 1.1))
+    assert_close(m["kl_proximal_sum"], torch.tensor(k3))
