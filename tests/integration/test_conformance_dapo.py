@@ -22,7 +22,6 @@ from miles.config import load_config
 from miles.protocol import Sample
 from miles.rl.algorithm import AlgorithmConfig, preset
 from miles.trainer import distributed
-from miles.trainer.batching import make_micro_batches
 from miles.trainer.learner import Learner, LearnerConfig
 from miles.trainer.model import LoraSettings
 from tests.factories import make_group
