@@ -322,7 +322,8 @@ class Learner:
         non-finite loss on any rank, raises `StepError` on every rank before the optimizer
         steps."""
         actor = clip_norm(self.actor_params, self.config.grad_clip)
-        value = clip_norm(self.critic_params, self.config.critic_grad_clip or self.config.grad_clip)
+        value = clip_norm(self.critic_params,
+                          self.config.critic_grad_clip or self.config.grad_clip)
         norm = math.sqrt(actor * actor + value * value)
         losses_bad = distributed.any_rank(not losses_finite)
         if losses_bad or not math.isfinite(norm):  # the same verdict and text on every rank
