@@ -10,8 +10,10 @@ hidden 512, 8 layers, ~25M parameters), full fine-tuning unless `--lora`; one `t
 groups x 8 samples of 16 prompt + 8..40 response tokens (ragged, as RL responses are:
 2,547 tokens, 3,584 padded). "eager" is the default learner (packed sequences, fp32 on a CPU);
 "padded" turns packing off, "bf16" computes in bf16 (slow on CPUs without bf16 matrix units,
-measured for completeness), "compile" and "checkpointing" are each one switch on top of eager.
-Each mode runs in its own
+measured for completeness), "compile" and "checkpointing" are each one switch on top of
+eager; "epochs2" / "epochs4" (`ppo_epochs`) and "minibatch4" (`mini_batches`) make several
+optimizer updates per batch (one no-grad proximal scoring pass, then one forward + backward of
+every group per epoch). Each mode runs in its own
 process: 3 warm-up steps (compilation happens there), then the median of 5 timed steps; peak
 memory is the process's resident high-water mark over the timed steps (`VmHWM` after resetting
 it with `/proc/self/clear_refs`), GiB = 2**30 bytes. Wall time on a shared CPU: indicative.
@@ -32,7 +34,11 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 MODES = {"eager": {}, "padded": {"sequence_packing": False}, "bf16": {"precision": "bf16"},
-         "compile": {"compile": True}, "checkpointing": {"activation_checkpointing": True}}
+         "compile": {"compile": True}, "checkpointing": {"activation_checkpointing": True},
+         # several optimizer updates per batch (GRPO estimator): ppo_epochs x mini_batches
+         "epochs2": {"ppo_epochs": 2}, "epochs4": {"ppo_epochs": 4},
+         "minibatch4": {"mini_batches": 4}}
+SCHEDULE = ("ppo_epochs", "mini_batches")  # mode keys that go to the algorithm config
 
 
 def peak_gib() -> float:
@@ -50,8 +56,13 @@ def child(mode: str, model_dir: str, lora: bool) -> dict:
     from miles.trainer.model import LoraSettings
     from tests.factories import make_group, make_sample
 
+    from miles.rl.algorithm import AlgorithmConfig
+
     torch.set_num_threads(2)
-    learner = Learner(model_dir, LearnerConfig(lr=1e-4, **MODES[mode]),
+    options = {k: v for k, v in MODES[mode].items() if k not in SCHEDULE}
+    schedule = {k: v for k, v in MODES[mode].items() if k in SCHEDULE}
+    learner = Learner(model_dir, LearnerConfig(lr=1e-4, algorithm=AlgorithmConfig(**schedule),
+                                               **options),
                       lora=LoraSettings(r=16, alpha=32) if lora else None)
     groups = [make_group(prompt_tokens=16, vocab_size=78, seed=s, samples=[
         make_sample(8 + (s * 8 + i) * 7 % 33, vocab_size=78, seed=s * 8 + i) for i in range(8)])

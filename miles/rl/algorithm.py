@@ -37,7 +37,9 @@ class AlgorithmConfig:
     estimator: str = "grpo"  # advantages: grpo, dr_grpo, rloo, reinforce_pp, or gae (critic)
     advantage: AdvantageSettings = field(default_factory=AdvantageSettings)  # estimator knobs
     loss: LossSettings = field(default_factory=LossSettings)  # objective, aggregation, IS, KL
-    mini_batches: int = 1  # optimizer steps per batch; > 1 recomputes proximal logprobs first
+    mini_batches: int = 1  # optimizer updates per pass over the batch (groups split evenly)
+    ppo_epochs: int = 1  # passes over the batch; updates per step = ppo_epochs x mini_batches
+    # (> 1 update: proximal logprobs and old values are scored once, before the first)
     kl_in_reward: bool = False  # loss.kl_coef * k1 KL per token enters the reward instead of
     # the loss (gae: per-token rewards; critic-free: before the estimator)
     gamma: float = 1.0  # gae discount
@@ -58,6 +60,7 @@ class AlgorithmConfig:
              f"estimator must be one of {list(ESTIMATORS)}, got {self.estimator!r}"),
             (self.mini_batches >= 1,
              f"mini_batches must be >= 1, got {self.mini_batches}"),
+            (self.ppo_epochs >= 1, f"ppo_epochs must be >= 1, got {self.ppo_epochs}"),
             (not self.kl_in_reward or self.loss.kl_coef > 0,
              "kl_in_reward needs loss.kl_coef > 0 (the penalty's weight), got loss.kl_coef="
              f"{self.loss.kl_coef}"),
@@ -114,13 +117,15 @@ PRESETS: dict[str, Preset] = {
         "whitened over the batch; PPO-clip actor loss, clipped value loss.",
         "Schulman et al. 2017 (PPO); Ouyang et al. 2022 (InstructGPT)",
         {"estimator": "gae", "lam": 0.95, "gamma": 1.0, "value_clip": 0.2,
+         "ppo_epochs": 4, "mini_batches": 1,
          "loss": {"clip_low": 0.2, "clip_high": 0.2}}),
     "grpo": Preset(
         "Group-normalised outcome reward (mean and std over the n samples of a prompt); "
         "PPO-clip, token mean over the batch (the paper's per-sequence mean and KL loss are "
         "options: loss.aggregation, loss.kl_coef).",
         "Shao et al. 2024 (DeepSeekMath)",
-        {"estimator": "grpo", "loss": {"clip_low": 0.2, "clip_high": 0.28}}),
+        {"estimator": "grpo", "ppo_epochs": 1, "mini_batches": 1,
+         "loss": {"clip_low": 0.2, "clip_high": 0.28}}),
     "dr_grpo": Preset(
         "Group-centred reward without the std division; per-sequence token sums over a constant "
         "(max_new_tokens), so neither length nor difficulty reweights the gradient.",
@@ -131,20 +136,21 @@ PRESETS: dict[str, Preset] = {
         "with equal rewards dropped and refilled), overlong reward shaping.",
         "Yu et al. 2025 (DAPO)",
         {"estimator": "grpo", "dynamic_sampling": True, "overlong_buffer": 2,
-         "overlong_penalty": 1.0, "loss": {"clip_low": 0.2, "clip_high": 0.28}}),
+         "overlong_penalty": 1.0, "ppo_epochs": 1, "mini_batches": 16,
+         "loss": {"clip_low": 0.2, "clip_high": 0.28}}),
     "gspo": Preset(
         "GRPO advantages; sequence-level ratio (geometric mean of token ratios) clipped at "
         "3e-4 / 4e-4, sequence mean of token means; the behaviour correction at the same "
         "(geometric) sequence level.",
         "Zheng et al. 2025 (GSPO)",
-        {"estimator": "grpo", "mini_batches": 2,
+        {"estimator": "grpo", "ppo_epochs": 1, "mini_batches": 4,
          "loss": {"objective": "gspo", "aggregation": "seq_mean_token_mean",
                   "is_level": "geometric"}}),
     "cispo": Preset(
         "GRPO advantages; REINFORCE on every token weighted by the detached IS ratio, capped "
         "at 1 + eps_high = 2, no floor (the paper's: no lower bound), token mean.",
         "MiniMax 2025 (MiniMax-M1)",
-        {"estimator": "grpo", "mini_batches": 2,
+        {"estimator": "grpo", "ppo_epochs": 1, "mini_batches": 2,
          "loss": {"objective": "cispo", "cispo_eps_low": None, "cispo_eps_high": 1.0}}),
     "rloo": Preset(
         "Leave-one-out baseline (mean of the other n - 1 rewards), no std scaling; PPO-clip, "

@@ -10,7 +10,9 @@ without grad) and the current policy (the weights being optimised). `compute_pol
    micro-batches and ranks is exact;
 4. plus kl_coef * KL(current || reference) and minus entropy_coef * entropy, aggregated the same
    way (`miles.rl.kl`).
-It returns detached metric sums alongside. `clipped_value_loss` is the critic's loss (PPO).
+It returns detached metric sums alongside, and the three aggregated loss terms (`policy_loss`,
+`kl_loss`, `entropy_loss`: what the loss adds up, with their coefficients and signs).
+`clipped_value_loss` is the critic's loss (PPO).
 
 Simplifications:
 - Metrics are sums/counts over the valid tokens (plus maxes), so callers add them over
@@ -108,7 +110,9 @@ def compute_policy_loss(logp: torch.Tensor, proximal_logp: torch.Tensor,
     `logp`, `proximal_logp`, `behaviour_logp`, `ref_logp`, `entropy` and `mask` (bool) are
     [B, T]; `advantages` [B, T] or [B, 1]. `ref_logp` is needed when kl_coef > 0 and `entropy`
     when entropy_coef > 0; given with a zero coefficient they are only measured. Metrics: see
-    `loss_metrics`.
+    `loss_metrics`, plus the aggregated terms `policy_loss`, `kl_loss` (kl_coef * KL) and
+    `entropy_loss` (-entropy_coef * entropy), which sum to the loss (like it, they add up over
+    micro-batches and ranks: the normalisers are global).
     """
     if settings.kl_coef > 0 and ref_logp is None:
         raise ValueError("compute_policy_loss: kl_coef > 0 needs ref_logp")
@@ -121,24 +125,32 @@ def compute_policy_loss(logp: torch.Tensor, proximal_logp: torch.Tensor,
                                 upper=settings.is_upper, lower=settings.is_lower)
     aggregate = get_aggregation(settings.aggregation)
     token_loss = weights.weight * terms.loss  # [B, T]
-    loss = aggregate(token_loss, mask, normalisers)
+    policy_loss = aggregate(token_loss, mask, normalisers)
+    zero = torch.zeros((), device=policy_loss.device)
     kl = None if ref_logp is None else kl_estimate(logp, ref_logp.detach(), settings.kl_kind)
-    if settings.kl_coef > 0:
-        loss = loss + settings.kl_coef * aggregate(kl, mask, normalisers)
-    if settings.entropy_coef > 0:
-        loss = loss - settings.entropy_coef * aggregate(entropy, mask, normalisers)
+    kl_loss = settings.kl_coef * aggregate(kl, mask, normalisers) if settings.kl_coef > 0 \
+        else zero
+    entropy_loss = -settings.entropy_coef * aggregate(entropy, mask, normalisers) \
+        if settings.entropy_coef > 0 else zero
+    loss = policy_loss + kl_loss + entropy_loss
     metrics = loss_metrics(logp, proximal_logp, behaviour_logp, mask, token_loss=token_loss,
-                           clipped=terms.clipped, weights=weights, kl=kl, entropy=entropy)
+                           clipped=terms.clipped, ratio=terms.ratio, weights=weights, kl=kl,
+                           entropy=entropy)
+    metrics.update({"policy_loss": policy_loss.detach().float(),
+                    "kl_loss": kl_loss.detach().float(),
+                    "entropy_loss": entropy_loss.detach().float()})
     return loss, metrics
 
 
 def loss_metrics(logp: torch.Tensor, proximal_logp: torch.Tensor, behaviour_logp: torch.Tensor,
                  mask: torch.Tensor, *, token_loss: torch.Tensor, clipped: torch.Tensor,
-                 weights: BehaviourWeights, kl: torch.Tensor | None,
+                 ratio: torch.Tensor, weights: BehaviourWeights, kl: torch.Tensor | None,
                  entropy: torch.Tensor | None) -> dict[str, torch.Tensor]:
     """Detached 0-dim metric sums over the `mask`ed tokens ([B, T] inputs).
 
-    `tokens`, `loss_sum` (weighted per-token loss), `clipped`, `is_weight_sum`, `is_weight_max`
+    `tokens`, `loss_sum` (weighted per-token loss), `clipped` (split into `clipped_low`, ratio
+    below 1, and `clipped_high`, ratio above 1), `kl_proximal_sum` (k3 KL(proximal || current),
+    PPO's approx-KL), `is_weight_sum`, `is_weight_max`
     (max), `is_truncated`, `is_masked`, `kl_behaviour_sum` (k3 KL(behaviour || current)),
     `kl_mismatch_sum` (k3 KL(behaviour || proximal)), `mismatch_sum` (|behaviour - proximal|),
     and, when given, `kl_ref_sum` (the configured KL estimate) and `entropy_sum`. Divide the sums
@@ -151,6 +163,9 @@ def loss_metrics(logp: torch.Tensor, proximal_logp: torch.Tensor, behaviour_logp
         "tokens": mask.sum().float(),
         "loss_sum": masked_sum(token_loss),
         "clipped": masked_sum(clipped),
+        "clipped_low": masked_sum(clipped & (ratio.detach() < 1.0)),
+        "clipped_high": masked_sum(clipped & (ratio.detach() > 1.0)),
+        "kl_proximal_sum": masked_sum(k3_kl(logp.detach(), proximal_logp)),
         "is_weight_sum": masked_sum(weights.weight),
         "is_weight_max": torch.where(mask, weights.weight, 0.0).max() if mask.numel()
         else torch.zeros(()),

@@ -13,7 +13,7 @@ import math
 import numpy as np
 
 from miles.rl.losses import LossSettings
-from miles.trainer import learner as learner_module
+from miles.trainer import update as update_module
 from tests.integration.conformance import (TOKENS, batch_groups, build, preset_config,
                                            process_group)  # noqa: F401
 from tests.factories import make_group
@@ -41,8 +41,8 @@ def test_rloo_with_the_kl_in_the_reward(model_dir, monkeypatch):
     # loss = -e^0.5 * (2 * 0.925 - 3 * 0.5 - 4 * 0.425) / 13 = e^0.5 * 1.35 / 13 = 0.17121;
     # without the KL in the reward A = [1, -0.5, -0.5]: e^0.5 * 1.5 / 13 = 0.19025.
     seen = []
-    real = learner_module.compute_policy_loss
-    monkeypatch.setattr(learner_module, "compute_policy_loss",
+    real = update_module.compute_policy_loss
+    monkeypatch.setattr(update_module, "compute_policy_loss",
                         lambda *a, **k: seen.append(k["settings"].kl_coef) or real(*a, **k))
     config = preset_config("rloo", kl_in_reward=True, loss=LossSettings(
         clip_low=0.2, clip_high=0.2, kl_coef=BETA))

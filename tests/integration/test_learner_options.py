@@ -68,7 +68,7 @@ def test_bf16_mixed_precision_keeps_fp32_weights_and_takes_a_close_step(model_di
     from miles.config import build
     from miles.rl.algorithm import AlgorithmConfig, preset
 
-    algorithm = build(AlgorithmConfig, preset(algo))
+    algorithm = build(AlgorithmConfig, {**preset(algo), "ppo_epochs": 1})  # one Adam update
     auto = Learner(model_dir, LearnerConfig(algorithm=algorithm), lora=lora)
     assert auto.dtype == torch.float32  # "auto" on a CPU
     distributed.destroy()

@@ -2,6 +2,7 @@
 full fine-tuning mode (separate value model, frozen reference copy)."""
 
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -64,7 +65,9 @@ def test_every_preset_trains_a_step(model_dir, name):
 
 
 def test_ppo_with_a_kl_term_scores_the_disabled_adapter_reference(model_dir):
-    learner = Learner(model_dir, config("ppo", kl_coef=0.1), lora=LORA)
+    ppo = config("ppo", kl_coef=0.1)  # one update a step: the first one starts at the base
+    learner = Learner(model_dir, replace(ppo, algorithm=replace(ppo.algorithm, ppo_epochs=1)),
+                      lora=LORA)
     assert learner.reference is None  # no extra copy under LoRA
     first = learner.train_step(groups())
     assert first["trainer/kl_ref"] == pytest.approx(0.0, abs=1e-6)  # adapters start as identity
@@ -103,7 +106,10 @@ def test_critic_warm_up_trains_only_the_critic(model_dir):
     before = params(learner.model)
     metrics = learner.train_step(groups())
     moved = changed(before, params(learner.model))
-    assert learner.policy_version == 0 and "trainer/loss" not in metrics
+    assert learner.policy_version == 0 and "trainer/policy_loss" not in metrics
+    # what was optimised: the critic's loss alone (value_coef 0.5), the actor had no gradient
+    assert metrics["trainer/loss"] == pytest.approx(0.5 * metrics["trainer/value_loss"])
+    assert metrics["trainer/actor_grad_norm"] == 0.0 < metrics["trainer/critic_grad_norm"]
     assert moved and all("critic" in n or "value_head" in n for n in moved), sorted(moved)
     learner.train_step(groups())
     assert learner.policy_version == 1

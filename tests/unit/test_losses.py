@@ -146,8 +146,13 @@ def test_composed_loss_hand_computed():
                 "is_weight_max": 2.0, "is_truncated": 1.0, "is_masked": 0.0,
                 "kl_behaviour_sum": k3(3.0) + k3(0.5), "kl_mismatch_sum": k3(3.0) + k3(0.5),
                 "mismatch_sum": math.log(3.0) + math.log(2.0), "kl_ref_sum": 1.7,
-                "entropy_sum": 6.0}
+                "entropy_sum": 6.0,
+                # current == proximal: ratio 1, nothing clipped on either side, approx-KL 0
+                "clipped_low": 0.0, "clipped_high": 0.0, "kl_proximal_sum": 0.0,
+                # the three aggregated terms the loss adds up: -2/3, 0.1 * 1.7/3, -0.01 * 6/3
+                "policy_loss": -2.0 / 3, "kl_loss": 0.17 / 3, "entropy_loss": -0.06 / 3}
     assert m.keys() == expected.keys()
+    assert_close(m["policy_loss"] + m["kl_loss"] + m["entropy_loss"], loss.detach())
     for key, value in expected.items():
         assert_close(m[key], torch.tensor(value), msg=key)
     assert all(not v.requires_grad for v in m.values())
@@ -231,3 +236,17 @@ def test_composed_accumulation_is_exact(objective, aggregation):
 def test_loss_settings_validation_names_the_field(kwargs, field):
     with pytest.raises(ConfigError, match=field):
         LossSettings(**kwargs)
+
+
+def test_clip_fractions_split_by_side_and_the_proximal_kl():
+    # ratios 0.7 (A < 0: clipped at 0.8, low side), 1.3 (A > 0: clipped at 1.28, high side),
+    # 1.1 (inside the bounds); k3 KL(proximal || current) = r - 1 - log r per token
+    ratio = torch.tensor([[0.7, 1.3, 1.1]])
+    logp, proximal = ratio.log(), torch.zeros(1, 3)
+    adv, mask = torch.tensor([[-1.0, 1.0, 1.0]]), torch.ones(1, 3, dtype=torch.bool)
+    _, m = compute_policy_loss(logp, proximal, proximal, adv, mask,
+                               normalisers=Normalisers(tokens=3.0, rows=1.0),
+                               settings=LossSettings(clip_low=0.2, clip_high=0.28))
+    assert (float(m["clipped"]), float(m["clipped_low"]), float(m["clipped_high"])) == (2, 1, 1)
+    k3 = sum(r - 1 - math.log(r) for r in (0.7, 1.3, 1.1))
+    assert_close(m["kl_proximal_sum"], torch.tensor(k3))
