@@ -22,15 +22,12 @@ Three loops share one engine:
 - status: read trainer heartbeats (its policy version and how many trajectory records it has
   consumed; a fenced generation's are ignored) and publish this producer's heartbeat.
 
-Admission control: a group generated now with loaded version L is trained roughly when the
-trainer has consumed everything already published, i.e. at version
-`trainer_version + (in_flight + batch - 1) // groups_per_step`. The worker only takes a batch when
-that lag stays within `max_staleness`; otherwise it waits for the trainer or for a newer version,
+Admission control (`miles.admission`): the worker only takes a batch when it would still be
+within `max_staleness` when trained; otherwise it waits for the trainer or for a newer version,
 and says so in its heartbeat (`waiting`: the version it needs, and which newer ones failed to
 load). A newest version that does not load (a missing file) falls back to the newest one that
 does and is retried (`miles.weights.follower`), so a lost file costs freshness, not the run;
 with no loadable version fresh enough, admission keeps waiting and reports it.
-The trainer still enforces the bound (several producers can race), this only keeps the waste low.
 """
 
 from __future__ import annotations
@@ -45,6 +42,7 @@ from pathlib import Path
 
 import numpy as np
 
+from miles.admission import TrainerView, required_version
 from miles.bus import Bus, TopicPartition
 from miles.bus.commits import DoneOffsets
 from miles.bus.decoding import DecodingConsumer
@@ -84,43 +82,6 @@ class RolloutConfig:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.max_staleness < 0:
             raise ConfigError(f"max_staleness must be >= 0, got {self.max_staleness}")
-
-
-@dataclass
-class TrainerView:
-    """What this producer knows of the trainer."""
-
-    policy_version: int = 0  # newest version announced or reported by the newest generation
-    consumed: int = 0  # trajectory records the trainer has consumed (its positions summed)
-    generation: int = 0  # the newest trainer generation seen; older ones are fenced
-
-    def follow(self, generation: int, policy_version: int) -> bool:
-        """Take a policy version announced or reported by trainer `generation`: False (ignored)
-        from an older generation; a newer one replaces the view (a resumed trainer may be
-        behind); within one generation the version only grows."""
-        if generation < self.generation:
-            return False
-        if generation > self.generation:
-            self.generation, self.policy_version = generation, policy_version
-        else:
-            self.policy_version = max(self.policy_version, policy_version)
-        return True
-
-
-def required_version(*, trainer: TrainerView, in_flight: int, batch: int, groups_per_step: int,
-                     max_staleness: int) -> int:
-    """The lowest loaded version at which a batch generated now is still fresh enough when it
-    is trained."""
-    trained_at = trainer.policy_version + (max(in_flight, 0) + batch - 1) // groups_per_step
-    return trained_at - max_staleness
-
-
-def admitted(*, loaded_version: int, trainer: TrainerView, in_flight: int, batch: int,
-             groups_per_step: int, max_staleness: int) -> bool:
-    """Whether a batch generated now would still be fresh enough when it is trained."""
-    return loaded_version >= required_version(
-        trainer=trainer, in_flight=in_flight, batch=batch, groups_per_step=groups_per_step,
-        max_staleness=max_staleness)
 
 
 def timed(fn, *args) -> float:
