@@ -48,7 +48,7 @@ def build_runner(settings: TrainerSettings):
     import torch
 
     from miles.trainer.learner import Learner
-    from miles.trainer.loop import StepRunner
+    from miles.trainer.runner import StepRunner
     from miles.trainer.memory import check_trainer_memory
     from miles.weights.store import base_model_id
 

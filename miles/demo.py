@@ -53,7 +53,8 @@ from miles.tasks.datasets import BUILT_IN, load_problems
 from miles.tasks.rewards import resolve_reward
 from miles.tasks.tiny_model import build_tiny_model
 from miles.trainer.learner import Learner, LearnerConfig
-from miles.trainer.loop import LoopConfig, StepRunner, TrainerLoop
+from miles.trainer.loop import LoopConfig, TrainerLoop
+from miles.trainer.runner import StepRunner
 from miles.weights.following import FollowConfig
 from miles.weights.signing import PUBLIC_KEY_FILE, ensure_key_pair
 from miles.weights.store import base_model_id

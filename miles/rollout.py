@@ -15,28 +15,19 @@ Three loops share one engine:
   can take (no tokens, token ids outside it) is the prompt's fault, not the engine's: it is
   dead-lettered and committed past with its batch, never retried.
 - control: read the control topic from its start, catch up, then load the newest `WeightVersion`
-  after checking that its file is inside the weight store (`weights.store`) with the announced
-  size and sha256; obey pause/resume/drain/stop `Command`s. The versions followed are the
-  newest trainer generation's (`miles.weights.following`): a resumed trainer's are loaded even
-  when lower, a fenced trainer's refused. An announced version is a candidate until it loads:
-  one that fails is reported and dropped and changes nothing (not the followed version, not
-  the trainer's version admission uses), so the worker keeps generating with the weights it
-  has and keeps following the real versions after a forged one. With `weights.public_key`
-  set, versions, commands and trainer heartbeats must carry the trainer's Ed25519 signature
-  (`miles.weights.signing`); an unsigned or badly signed one is refused before it changes
-  anything, counted in `producer/unverified` (and versions in `weight_errors`).
+  that verifies and loads (`miles.weights.follower.WeightFollower`: the newest trainer
+  generation's versions, files checked against the weight store, signatures against
+  `weights.public_key`; a version that fails changes nothing); obey pause/resume/drain/stop
+  `Command`s (signed, when versions are).
 - status: read trainer heartbeats (its policy version and how many trajectory records it has
   consumed; a fenced generation's are ignored) and publish this producer's heartbeat.
 
-Admission control: a group generated now with loaded version L is trained roughly when the
-trainer has consumed everything already published, i.e. at version
-`trainer_version + (in_flight + batch - 1) // groups_per_step`. The worker only takes a batch when
-that lag stays within `max_staleness`; otherwise it waits for the trainer or for a newer version,
+Admission control (`miles.admission`): the worker only takes a batch when it would still be
+within `max_staleness` when trained; otherwise it waits for the trainer or for a newer version,
 and says so in its heartbeat (`waiting`: the version it needs, and which newer ones failed to
 load). A newest version that does not load (a missing file) falls back to the newest one that
-does, and failed versions are retried every `WEIGHT_RETRY_S`, so a lost file costs freshness,
-not the run; with no loadable version fresh enough, admission keeps waiting and reports it.
-The trainer still enforces the bound (several producers can race), this only keeps the waste low.
+does and is retried (`miles.weights.follower`), so a lost file costs freshness, not the run;
+with no loadable version fresh enough, admission keeps waiting and reports it.
 """
 
 from __future__ import annotations
@@ -44,34 +35,32 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-import statistics
 import time
-from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 
+from miles.admission import TrainerView, required_version
 from miles.bus import Bus, TopicPartition
 from miles.bus.commits import DoneOffsets
 from miles.bus.decoding import DecodingConsumer
 from miles.engines.base import Completion, RolloutEngine, prompt_problem
-from miles.errors import ConfigError, EngineError, MilesError, MissingWeightsError
+from miles.errors import ConfigError, EngineError
 from miles.protocol import (ALL_TARGETS, Command, Heartbeat, PromptTask, Sample, TrajectoryGroup,
                             WeightVersion, encode)
 from miles.protocol.topics import topic_name
 from miles.rl.sampling import SamplingParams
 from miles.service import wait_or_stop
 from miles.tasks.rewards import Scored, Scorer
-from miles.weights.following import Announcements, FollowConfig, lineage
-from miles.weights.signing import Verifier
-from miles.weights.store import fetch_version
+from miles.weights.follower import WeightFollower
+from miles.weights.following import FollowConfig
 
 log = logging.getLogger(__name__)
 ADMISSION_POLL_S = 0.02
 ENGINE_RETRY_S = 2.0  # pause before retrying a batch the engine failed on
 WAIT_WARN_S = 30.0  # admission waiting this long is logged (a stalled trainer or weights)
-WEIGHT_RETRY_S = 10.0  # pause before retrying versions that failed to load (files reappear)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -93,43 +82,6 @@ class RolloutConfig:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.max_staleness < 0:
             raise ConfigError(f"max_staleness must be >= 0, got {self.max_staleness}")
-
-
-@dataclass
-class TrainerView:
-    """What this producer knows of the trainer."""
-
-    policy_version: int = 0  # newest version announced or reported by the newest generation
-    consumed: int = 0  # trajectory records the trainer has consumed (its positions summed)
-    generation: int = 0  # the newest trainer generation seen; older ones are fenced
-
-    def follow(self, generation: int, policy_version: int) -> bool:
-        """Take a policy version announced or reported by trainer `generation`: False (ignored)
-        from an older generation; a newer one replaces the view (a resumed trainer may be
-        behind); within one generation the version only grows."""
-        if generation < self.generation:
-            return False
-        if generation > self.generation:
-            self.generation, self.policy_version = generation, policy_version
-        else:
-            self.policy_version = max(self.policy_version, policy_version)
-        return True
-
-
-def required_version(*, trainer: TrainerView, in_flight: int, batch: int, groups_per_step: int,
-                     max_staleness: int) -> int:
-    """The lowest loaded version at which a batch generated now is still fresh enough when it
-    is trained."""
-    trained_at = trainer.policy_version + (max(in_flight, 0) + batch - 1) // groups_per_step
-    return trained_at - max_staleness
-
-
-def admitted(*, loaded_version: int, trainer: TrainerView, in_flight: int, batch: int,
-             groups_per_step: int, max_staleness: int) -> bool:
-    """Whether a batch generated now would still be fresh enough when it is trained."""
-    return loaded_version >= required_version(
-        trainer=trainer, in_flight=in_flight, batch=batch, groups_per_step=groups_per_step,
-        max_staleness=max_staleness)
 
 
 def timed(fn, *args) -> float:
@@ -154,16 +106,13 @@ class RolloutWorker:
                                          "producer/weight_loads": 0, "producer/weight_errors": 0,
                                          "producer/bad_prompts": 0,
                                          "producer/unverified": 0}
-        self.verifier = Verifier(config.weights.public_key, who="producer")
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
-        self.announced = Announcements()  # the followed version and the candidates
+        self.follower = WeightFollower(config.weights, base_model=config.base_model,
+                                       counts=self.counts, apply=self._apply,
+                                       reject=self._reject)
         self.commits = DoneOffsets()  # prompts whose groups are published, to commit
-        self._loaded = (0, 0)  # lineage (generation, policy version) of the engine's weights
-        self._failed: set[tuple[int, int]] = set()  # candidates whose file was missing
-        self._retry_at = 0.0  # monotonic time to retry the versions that failed
         self.waiting: str | None = None  # what admission waits for (None: it admits)
         self._waiting_since = time.monotonic()
-        self.load_latencies: deque[float] = deque(maxlen=1000)  # announce -> in use, seconds
         self._sequence = 0
         self._in_flight = 0
         self._started = time.monotonic()
@@ -281,11 +230,9 @@ class RolloutWorker:
         waiting = None
         if loaded < needed:
             waiting = f"policy version >= {needed} (loaded {loaded})"
-            failed = [v.policy_version for v in self.announced.newer_than(self._loaded)
-                      if lineage(v) in self._failed]
-            if failed:
-                waiting += (f"; versions {', '.join(map(str, failed))} failed to load, retried "
-                            f"every {WEIGHT_RETRY_S:g} s")
+            failures = self.follower.failures()
+            if failures:
+                waiting += f"; {failures}"
         now = time.monotonic()
         if waiting is None or self.waiting is None:
             self._waiting_since = now  # short waits are the normal rhythm of an async run
@@ -359,16 +306,18 @@ class RolloutWorker:
             while not stop.is_set():
                 for item in await control.poll(timeout_s=0.2):
                     await self._on_control(item.value, stop, drain)
-                if self._load_due():
-                    await self._load_newest()
+                if self.follower.load_due():
+                    loaded = await self.follower.load_newest()
+                    if loaded is not None:
+                        self.trainer.follow(loaded.trainer_generation, loaded.policy_version)
 
     async def _on_control(self, value, stop: asyncio.Event, drain: asyncio.Event) -> None:
         if isinstance(value, WeightVersion):
-            await self._on_version(value)
+            await self.follower.offer(value)
             return
         if value.target not in (ALL_TARGETS, self.config.producer_id):
             return
-        if self._unverified(value, f"command {value.command}"):
+        if self.follower.unverified(value, f"command {value.command}"):
             return
         log.info("command %s (%s)", value.command, value.reason)
         if value.command in ("pause", "resume"):
@@ -378,42 +327,6 @@ class RolloutWorker:
         elif value.command == "stop":
             stop.set()
 
-    async def _on_version(self, value: WeightVersion) -> None:
-        """Note an announced version as a candidate; the control loop loads the newest
-        (`Announcements` says which versions may be: the newest trainer generation's, going
-        forward). Nothing else changes until it loads."""
-        why = self.verifier.refusal(value)
-        if why is not None:
-            self.counts["producer/unverified"] += 1
-        else:
-            why = self.announced.refusal(value)
-        if why is None and self.config.base_model and value.base_model != self.config.base_model:
-            why = (f"made for base model {value.base_model!r}, this producer serves "
-                   f"{self.config.base_model!r}")
-        if why is not None:
-            await self._reject(value, why)
-            return
-        self.announced.offer(value)
-
-    def _load_due(self) -> bool:
-        newer = self.announced.newer_than(self._loaded)
-        return (any(lineage(v) not in self._failed for v in newer)
-                or bool(newer) and time.monotonic() >= self._retry_at)
-
-    async def _load_newest(self) -> None:
-        """Load the newest candidate that loads, trying newer ones first (a missing or broken
-        file falls back to the one before). A candidate whose file is missing is reported once
-        and retried every `WEIGHT_RETRY_S` (its file may appear), never in a busy loop."""
-        retry = time.monotonic() >= self._retry_at
-        newer = self.announced.newer_than(self._loaded)
-        self._failed &= {lineage(v) for v in self.announced.candidates}
-        for version in newer:
-            failed_before = lineage(version) in self._failed
-            if (retry or not failed_before) and await self._load(version,
-                                                                 report=not failed_before):
-                break
-        self._retry_at = time.monotonic() + WEIGHT_RETRY_S
-
     async def _reject(self, version: WeightVersion, why: str) -> None:
         """Count, log and report (status event) a version this producer does not load; it
         keeps generating with the weights it has."""
@@ -422,36 +335,11 @@ class RolloutWorker:
                   version.policy_version, why)
         await self._heartbeat(error=f"version {version.policy_version}: {why}")
 
-    async def _load(self, version: WeightVersion, *, report: bool = True) -> bool:
-        """Fetch, verify and apply `version`; a failure is rejected (reported) if `report`. A
-        missing file keeps the candidate for a retry; any other failure drops it."""
-        new_lineage = version.trainer_generation > self._loaded[0]  # may go back in number
-        began = time.perf_counter()
-        try:
-            folder = await asyncio.to_thread(fetch_version, version,  # generation goes on
-                                             self.config.weights.store)
-            fetch_s = time.perf_counter() - began
-            apply_s = await self._in_engine(
-                timed, functools.partial(self.engine.load_version, new_lineage=new_lineage),
-                folder, version.policy_version, version.format)
-        except MilesError as err:
-            if isinstance(err, MissingWeightsError):
-                self._failed.add(lineage(version))
-            else:
-                self.announced.drop(version)
-            if report:
-                await self._reject(version, str(err))
-            else:
-                log.info("version %d still does not load: %s", version.policy_version, err)
-            return False
-        self._loaded = lineage(version)
-        self.announced.verified(version)
-        self.trainer.follow(version.trainer_generation, version.policy_version)
-        self.counts["producer/load_s"] += fetch_s + apply_s  # not the wait behind a generate
-        self.load_latencies.append(max(time.time() - version.created_at, 0.0))
-        self.counts["producer/weight_loads"] += 1
-        log.info("loaded policy version %d", version.policy_version)
-        return True
+    async def _apply(self, folder: Path, version: WeightVersion, new_lineage: bool) -> float:
+        """Load a fetched version into the engine, in its thread; the seconds it took there."""
+        return await self._in_engine(
+            timed, functools.partial(self.engine.load_version, new_lineage=new_lineage),
+            folder, version.policy_version, version.format)
 
     # -- status -------------------------------------------------------------------------------
 
@@ -469,31 +357,20 @@ class RolloutWorker:
                     if beat.role == "trainer":
                         self._on_trainer_beat(beat)
 
-    def _unverified(self, record, what: str) -> bool:
-        """True (counted, logged) when `record` fails signature verification."""
-        why = self.verifier.refusal(record)
-        if why is not None:
-            self.counts["producer/unverified"] += 1
-            log.warning("ignoring %s: %s", what, why)
-        return why is not None
-
     def _on_trainer_beat(self, beat: Heartbeat) -> None:
         """An unverified or fenced trainer's heartbeat is ignored; a newer generation's resets
         the view."""
-        if self._unverified(beat, f"trainer heartbeat (generation {beat.trainer_generation}, "
-                                  f"version {beat.policy_version})"):
+        what = (f"trainer heartbeat (generation {beat.trainer_generation}, "
+                f"version {beat.policy_version})")
+        if self.follower.unverified(beat, what):
             return
         if self.trainer.follow(beat.trainer_generation, beat.policy_version):
-            self.announced.fence(beat.trainer_generation)
+            self.follower.announced.fence(beat.trainer_generation)
             self.trainer.consumed = int(beat.extra.get("consumed", 0))
 
     async def _heartbeat_loop(self, stop: asyncio.Event) -> None:
         while not await wait_or_stop(stop, self.config.heartbeat_s):
             await self._heartbeat()
-
-    def load_latency_p50(self) -> float | None:
-        """Median seconds from a version's announcement to its use, over the last 1000 loads."""
-        return statistics.median(self.load_latencies) if self.load_latencies else None
 
     async def _heartbeat(self, error: str | None = None) -> None:
         elapsed = max(time.monotonic() - self._started, 1e-9)
@@ -508,8 +385,8 @@ class RolloutWorker:
                  "load_s": round(self.counts["producer/load_s"], 3)}
         if self.waiting is not None:
             extra["waiting"] = self.waiting
-        if self.load_latencies:
-            extra["load_latency_p50_s"] = round(self.load_latency_p50(), 4)
+        if self.follower.load_latencies:
+            extra["load_latency_p50_s"] = round(self.follower.load_latency_p50(), 4)
         if error:
             extra["error"] = error
         beat = Heartbeat(producer_id=self.config.producer_id, role="producer",

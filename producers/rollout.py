@@ -88,7 +88,7 @@ async def run_producer(settings: ProducerSettings, stop) -> dict:
     async with open_bus(settings.bus, settings.kafka) as bus:
         worker = RolloutWorker(bus, engine, scorer, rollout)
         await worker.run(stop)
-    return {**worker.counts, "load_latency_p50_s": worker.load_latency_p50()}
+    return {**worker.counts, "load_latency_p50_s": worker.follower.load_latency_p50()}
 
 
 def main(argv=None) -> int:

@@ -12,7 +12,8 @@ its update is done, listing only the groups in it), announces the new adapter it
 weight store on the control topic (each announcement and heartbeat signed with the run's
 Ed25519 key, `miles.weights.signing`), every `checkpoint_every` steps has all ranks write a
 checkpoint (a second step message, after the accounting it records), appends to
-`metrics.jsonl` and reports progress on the status topic.
+`metrics.jsonl` and reports progress on the status topic. What every rank runs (resume, step,
+export, checkpoint) is `miles.trainer.runner.StepRunner`.
 
 Failing steps: a step that is not finite or raises on its data changes nothing; every rank
 bisects the batch the same way (`miles.trainer.isolation`) and trains the rest in one update;
@@ -47,22 +48,15 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import msgpack
-
 from miles.bus import Bus, TopicPartition
 from miles.bus.decoding import Decoded, DecodingConsumer
-from miles.errors import BusError, ConfigError, FencedError
-from miles.protocol import Heartbeat, TrajectoryGroup, WeightVersion, decode, encode
+from miles.errors import BusError, ConfigError
+from miles.protocol import Heartbeat, TrajectoryGroup, WeightVersion, encode
 from miles.protocol.topics import topic_name
-from miles.trainer import distributed
-from miles.trainer.checkpoint import load_newest, save_checkpoint
-from miles.trainer.fence import Fence
 from miles.trainer.intake import IntakeConfig, TrainerLimits, check_group
-from miles.trainer.isolation import Isolation
-from miles.trainer.learner import Learner
 from miles.trainer.progress import Progress
+from miles.trainer.runner import StepRunner, pack_step
 from miles.weights.signing import Signer, trainer_signer
-from miles.weights.store import discard_versions_after, prune_versions, write_version
 
 log = logging.getLogger(__name__)
 RECENT_PROMPTS = 65_536  # prompts remembered to count re-generated ones
@@ -107,112 +101,6 @@ def truncate_steps(path: Path, step: int) -> None:
     kept = [line for line in path.read_text().splitlines()
             if line and json.loads(line)["step"] <= step]
     path.write_text("".join(f"{line}\n" for line in kept))
-
-
-def pack_step(groups: list[bytes], *, checkpoint: bool, meta: dict) -> bytes:
-    return msgpack.packb({"groups": groups, "checkpoint": checkpoint, "meta": meta},
-                         use_bin_type=True)
-
-
-def unpack_step(payload: bytes) -> tuple[list[TrajectoryGroup], bool, dict]:
-    message = msgpack.unpackb(payload, raw=False)
-    groups = [decode(raw, TrajectoryGroup) for raw in message["groups"]]
-    return groups, message["checkpoint"], message["meta"]
-
-
-@dataclass
-class StepResult:
-    """What a step message did on this rank: the update's metrics ({} when nothing was
-    trained), the weight version to announce (rank 0, when the policy changed), and the
-    groups (by index in the message) that failed the step, with their reasons."""
-
-    metrics: dict[str, float] = field(default_factory=dict)
-    record: WeightVersion | None = None
-    failed: dict[int, str] = field(default_factory=dict)
-
-
-class StepRunner:
-    """What every rank does, in the same order on all of them (each call is a collective):
-    resume from the newest checkpoint, train a step, export its weights, checkpoint."""
-
-    def __init__(self, learner: Learner, config: LoopConfig, *, base_model: str):
-        self.learner = learner
-        self.config = config
-        self.base_model = base_model
-        self.weights_dir = Path(config.out_dir) / "weights"
-        self.checkpoints = Path(config.out_dir) / "checkpoints"
-        self.fence: Fence | None = None  # rank 0's generation, taken by `resume`
-        self.isolation = Isolation()
-
-    def resume(self) -> tuple[dict | None, WeightVersion | None]:
-        """Take the next trainer generation, load the newest checkpoint that verifies (if any),
-        drop the weight versions of the lineage it replaces, export the starting weights."""
-        if distributed.is_main():
-            self.fence = Fence.take(self.config.out_dir)
-        state = self.learner.state_dict()
-        found = load_newest(self.checkpoints, state)
-        meta = None
-        if found is not None:
-            meta = found[1]
-            self.learner.load_state_dict(state)
-        if distributed.is_main():
-            discard_versions_after(self.weights_dir, self.learner.policy_version)
-        return meta, self.export(step=int(meta["step"]) if meta else 0)
-
-    def export(self, *, step: int) -> WeightVersion | None:
-        """Write the current weights to the store; rank 0 gets the record to announce."""
-        if not distributed.is_main():
-            self.learner.export_weights(self.weights_dir)  # the gather is collective
-            return None
-        record = write_version(self.weights_dir, policy_version=self.learner.policy_version,
-                               step=step, base_model=self.base_model,
-                               write=self.learner.export_weights, fmt=self.learner.weights_format,
-                               trainer_generation=self.fence.generation)
-        prune_versions(self.weights_dir, self.config.keep_versions)
-        return record
-
-    def check_fence(self) -> None:
-        """FencedError on every rank when rank 0 finds a newer generation (a collective)."""
-        error = None
-        if self.fence is not None:
-            try:
-                self.fence.check()
-            except FencedError as err:
-                error = err
-        if distributed.any_rank(error is not None):
-            raise error or FencedError("rank 0 found a newer trainer generation")
-
-    def step(self, payload: bytes) -> StepResult | None:
-        """Run one step message broadcast by rank 0; None when the message says stop. Groups
-        that make the step fail are left out of its update (`Isolation`) and come back in
-        `failed` (by their index in the message) for rank 0 to dead-letter."""
-        payload = distributed.broadcast_bytes(payload if distributed.is_main() else None)
-        if not payload:
-            return None
-        groups, checkpoint, meta = unpack_step(payload)
-        result = StepResult()
-        if groups:
-            version = self.learner.policy_version
-            outcome = self.isolation.train(self.learner, groups)
-            result.metrics, result.failed = outcome.metrics, outcome.failed
-            if self.learner.policy_version != version:
-                self.check_fence()
-                result.record = self.export(step=meta["step"])
-        if checkpoint:
-            save_checkpoint(self.checkpoints, meta["step"], self.learner.state_dict(), meta,
-                            fence=self.fence.check if self.fence else None)
-        return result
-
-    def follow(self) -> None:
-        """Ranks other than 0: resume, then run steps until rank 0 broadcasts stop (which it
-        also does after finding itself fenced)."""
-        self.resume()
-        while True:
-            try:
-                if self.step(b"") is None:
-                    return
-            except FencedError:
-                continue
 
 
 class TrainerLoop:

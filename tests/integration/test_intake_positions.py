@@ -16,7 +16,8 @@ from miles.protocol import DeadLetter, decode, encode
 from miles.protocol.topics import run_topics, topic_name
 from miles.trainer import distributed
 from miles.trainer.learner import Learner, LearnerConfig
-from miles.trainer.loop import LoopConfig, StepRunner, TrainerLoop
+from miles.trainer.loop import LoopConfig, TrainerLoop
+from miles.trainer.runner import StepRunner
 from tests.accounting import TINY_VOCAB_SIZE, ledger
 from tests.conftest import unique_run
 from tests.factories import make_group, make_sample

@@ -27,7 +27,8 @@ from miles.tasks.arithmetic import arithmetic_problems
 from miles.tasks.rewards import Scorer
 from miles.trainer import distributed
 from miles.trainer.learner import Learner, LearnerConfig
-from miles.trainer.loop import LoopConfig, StepRunner, TrainerLoop
+from miles.trainer.loop import LoopConfig, TrainerLoop
+from miles.trainer.runner import StepRunner
 from miles.weights.following import FollowConfig
 from miles.weights.signing import Verifier, ensure_key_pair
 from tests.rewards import digit_for_odd_answers, starts_with_digit

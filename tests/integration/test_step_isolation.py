@@ -26,8 +26,9 @@ from miles.rl.algorithm import AlgorithmConfig
 from miles.trainer import distributed
 from miles.trainer.isolation import MAX_FAILED_IN_A_ROW, Isolation
 from miles.trainer.learner import Learner, LearnerConfig
-from miles.trainer.loop import LoopConfig, StepRunner, TrainerLoop
+from miles.trainer.loop import LoopConfig, TrainerLoop
 from miles.trainer.model import LoraSettings
+from miles.trainer.runner import StepRunner
 from tests.accounting import assert_trained_once, ledger
 from tests.conftest import unique_run
 from tests.poison import good_groups, plant, poisoned

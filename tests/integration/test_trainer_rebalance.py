@@ -14,7 +14,8 @@ from miles.engines.base import LoraSettings
 from miles.protocol.topics import run_topics, topic_name
 from miles.trainer import distributed
 from miles.trainer.learner import Learner, LearnerConfig
-from miles.trainer.loop import LoopConfig, StepRunner, TrainerLoop
+from miles.trainer.loop import LoopConfig, TrainerLoop
+from miles.trainer.runner import StepRunner
 from tests.accounting import assert_trained_once, ledger, publish_numbered
 from tests.conftest import unique_run
 

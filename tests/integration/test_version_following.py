@@ -8,7 +8,6 @@ import asyncio
 import time
 from dataclasses import replace
 
-from miles import rollout
 from miles.bus import open_bus
 from miles.engines.base import LoraSettings
 from miles.engines.hf import HFEngine
@@ -20,6 +19,7 @@ from miles.rollout import RolloutConfig, RolloutWorker
 from miles.status import collect_status, format_status
 from miles.tasks.arithmetic import arithmetic_problems
 from miles.tasks.rewards import Scorer
+from miles.weights import follower
 from miles.weights.following import FollowConfig
 from miles.weights.store import base_model_id, version_dir
 from tests.integration.test_weight_loading import versions, wait_for  # noqa: F401 (fixture)
@@ -100,7 +100,7 @@ async def test_a_resumed_trainer_is_followed_and_a_fenced_one_ignored(model_dir,
 
 async def test_a_missing_newest_file_falls_back_and_admission_says_what_it_waits_for(
         model_dir, versions, monkeypatch):
-    monkeypatch.setattr(rollout, "WEIGHT_RETRY_S", 0.3, raising=False)
+    monkeypatch.setattr(follower, "WEIGHT_RETRY_S", 0.3)
     store, records = versions
     run = "fallback"
     hidden = {v: version_dir(store, v).with_name(f"hidden-{v}") for v in (5, 6)}

@@ -93,7 +93,7 @@ async def test_every_broken_version_is_rejected_and_generation_goes_on(model_dir
     assert "versions only go forward" in errors[4]
     assert sum("rejected" in r.message for r in caplog.records) == 5
     assert worker.counts["producer/weight_loads"] == 2 and worker.counts["producer/load_s"] > 0
-    assert len(worker.load_latencies) == 2  # announced -> in use, for each load
+    assert len(worker.follower.load_latencies) == 2  # announced -> in use, for each load
 
 
 class SlowEngine(HFEngine):

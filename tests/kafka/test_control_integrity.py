@@ -143,7 +143,7 @@ async def test_with_a_public_key_only_the_trainer_s_signatures_move_a_producer(
             await producer.control(Command(command="pause", created_at=time.time()))
             await producer.until(lambda: worker.counts["producer/unverified"] == 6)
             assert (producer.engine.policy_version, worker.trainer.policy_version,
-                    worker.trainer.generation, worker.announced.generation) == (1, 1, 0, 0)
+                    worker.trainer.generation, worker.follower.announced.generation) == (1, 1, 0, 0)
             assert not worker.paused and not producer.stop.is_set()
             await producer.status(trainer.sign(trainer_beat(4, generation=0)))
             await producer.until(lambda: worker.trainer.policy_version == 4)

@@ -2,7 +2,7 @@
 
 import pytest
 
-from miles.rollout import TrainerView, admitted
+from miles.admission import TrainerView, admitted
 
 
 @pytest.mark.parametrize("loaded, trainer_version, in_flight, batch, per_step, bound, expected", [
