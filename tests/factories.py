@@ -34,6 +34,15 @@ def make_sample(n_tokens: int = 8, *, vocab_size: int = VOCAB_SIZE, policy_versi
     return Sample(**(fields | overrides))
 
 
+def version_zero_sample(n: int, reward: float, seed: int, *, vocab_size: int = 78) -> Sample:
+    """A sample of `n` tokens (ids from 4, below the tiny tokenizer's 78) that version 0 drew,
+    with behaviour logprobs in [-6, -2]: what the trainer's door admits at its first step."""
+    rng = np.random.default_rng(seed)
+    return Sample(response_token_ids=rng.integers(4, vocab_size, n, dtype=np.int32),
+                  logprobs=(-rng.uniform(2.0, 6.0, n)).astype(np.float32),
+                  versions=np.zeros(n, dtype=np.int32), reward=reward, finish_reason="stop")
+
+
 def make_group(n_samples: int = 4, n_tokens: int = 8, *, prompt_tokens: int = 6,
                vocab_size: int = VOCAB_SIZE, policy_version: int = 3, seed: int = 0,
                **overrides) -> TrajectoryGroup:

@@ -19,12 +19,11 @@ import pytest
 import torch
 
 from miles.config import load_config
-from miles.protocol import Sample
 from miles.rl.algorithm import AlgorithmConfig, preset
 from miles.trainer import distributed
 from miles.trainer.learner import Learner, LearnerConfig
 from miles.trainer.model import LoraSettings
-from tests.factories import make_group
+from tests.factories import make_group, version_zero_sample as sample
 
 VOCAB = 78
 LENGTHS = [3, 6, 6, 5]  # responses of group A; max_new_tokens 6, overlong buffer 2
@@ -39,13 +38,6 @@ ADVANTAGES = [(r - MEAN) / (STD + 1e-6) for r in SHAPED]  # GRPO, Shao et al. 20
 def process_group():
     yield
     distributed.destroy()
-
-
-def sample(n: int, reward: float, seed: int) -> Sample:
-    rng = np.random.default_rng(seed)
-    return Sample(response_token_ids=rng.integers(4, VOCAB, n, dtype=np.int32),
-                  logprobs=(-rng.uniform(2.0, 6.0, n)).astype(np.float32),
-                  versions=np.zeros(n, dtype=np.int32), reward=reward, finish_reason="stop")
 
 
 def batch_groups() -> list:

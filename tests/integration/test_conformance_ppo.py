@@ -17,17 +17,15 @@ from __future__ import annotations
 
 import math
 
-import numpy as np
 import pytest
 import torch
 
 from miles.config import load_config
-from miles.protocol import Sample
 from miles.rl.algorithm import AlgorithmConfig, preset
 from miles.trainer import distributed, learner as learner_module
 from miles.trainer.learner import Learner, LearnerConfig
 from miles.trainer.model import LoraSettings
-from tests.factories import make_group
+from tests.factories import make_group, version_zero_sample as sample
 
 VOCAB = 78
 LENGTHS, REWARDS = [4, 2, 5, 3], [1.0, 0.0, 0.0, 1.0]
@@ -37,13 +35,6 @@ LENGTHS, REWARDS = [4, 2, 5, 3], [1.0, 0.0, 0.0, 1.0]
 def process_group():
     yield
     distributed.destroy()
-
-
-def sample(n: int, reward: float, seed: int) -> Sample:
-    rng = np.random.default_rng(seed)
-    return Sample(response_token_ids=rng.integers(4, VOCAB, n, dtype=np.int32),
-                  logprobs=(-rng.uniform(2.0, 6.0, n)).astype(np.float32),
-                  versions=np.zeros(n, dtype=np.int32), reward=reward, finish_reason="stop")
 
 
 def gae_by_hand(values: list[float], reward: float, lam: float = 0.95) -> tuple[list, list]:
