@@ -6,6 +6,7 @@ records signed by its private key move a producer."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import time
 from dataclasses import replace
@@ -67,29 +68,36 @@ class Producer:
         await asyncio.wait_for(self.task, 60)
 
 
+@contextlib.asynccontextmanager
+async def running_producer(url: str, run: str, model_dir, store, **settings):
+    """A `Producer` on fresh topics of `run`, stopped on the way out."""
+    async with open_bus(url) as bus:
+        await bus.create_topics(run_topics(run, prompt_partitions=1, trajectory_partitions=1))
+        producer = Producer(bus, run, model_dir, store, **settings)
+        try:
+            yield producer
+        finally:
+            await producer.close()
+
+
 async def test_a_forged_huge_version_changes_nothing_and_real_versions_are_still_followed(
         kafka_broker, model_dir, versions):
     store, records = versions
     run = unique_run()
-    async with open_bus(kafka_broker.url) as bus:
-        await bus.create_topics(run_topics(run, prompt_partitions=1, trajectory_partitions=1))
-        producer = Producer(bus, run, model_dir, store)
-        try:
-            await producer.control(records[1])
-            await producer.until(lambda: producer.engine.policy_version == 1)
-            forged = replace(records[2], policy_version=MAX_POLICY_VERSION, sha256="0" * 64)
-            await producer.control(forged)
-            await producer.until(lambda: producer.worker.counts["producer/weight_errors"] == 1)
-            assert producer.worker.trainer.policy_version == 1  # the bound did not move
-            for v in (2, 3):
-                await producer.control(records[v])
-                await producer.until(lambda: producer.engine.policy_version == v)
-            await feed(bus, run, arithmetic_problems("train")[:4], shuffle=False)
-            await producer.until(lambda: producer.worker.counts["producer/groups"] == 4)
-            assert producer.worker.counts["producer/weight_errors"] == 1
-            assert producer.worker.trainer.policy_version == 3
-        finally:
-            await producer.close()
+    async with running_producer(kafka_broker.url, run, model_dir, store) as producer:
+        await producer.control(records[1])
+        await producer.until(lambda: producer.engine.policy_version == 1)
+        forged = replace(records[2], policy_version=MAX_POLICY_VERSION, sha256="0" * 64)
+        await producer.control(forged)
+        await producer.until(lambda: producer.worker.counts["producer/weight_errors"] == 1)
+        assert producer.worker.trainer.policy_version == 1  # the bound did not move
+        for v in (2, 3):
+            await producer.control(records[v])
+            await producer.until(lambda: producer.engine.policy_version == v)
+        await feed(producer.bus, run, arithmetic_problems("train")[:4], shuffle=False)
+        await producer.until(lambda: producer.worker.counts["producer/groups"] == 4)
+        assert producer.worker.counts["producer/weight_errors"] == 1
+        assert producer.worker.trainer.policy_version == 3
 
 
 async def test_a_uri_outside_the_weight_store_is_never_read(kafka_broker, model_dir, versions,
@@ -99,18 +107,13 @@ async def test_a_uri_outside_the_weight_store_is_never_read(kafka_broker, model_
     forged = replace(records[2], uri="file:///etc/passwd", bytes=len(passwd),
                      sha256=hashlib.sha256(passwd).hexdigest())  # integrity checks pass
     run = unique_run()
-    async with open_bus(kafka_broker.url) as bus:
-        await bus.create_topics(run_topics(run, prompt_partitions=1, trajectory_partitions=1))
-        producer = Producer(bus, run, model_dir, store)
-        try:
-            await producer.control(records[1])
-            await producer.until(lambda: producer.engine.policy_version == 1)
-            await producer.control(forged)
-            await producer.until(lambda: producer.worker.counts["producer/weight_errors"] == 1)
-            await producer.control(records[3])
-            await producer.until(lambda: producer.engine.policy_version == 3)
-        finally:
-            await producer.close()
+    async with running_producer(kafka_broker.url, run, model_dir, store) as producer:
+        await producer.control(records[1])
+        await producer.until(lambda: producer.engine.policy_version == 1)
+        await producer.control(forged)
+        await producer.until(lambda: producer.worker.counts["producer/weight_errors"] == 1)
+        await producer.control(records[3])
+        await producer.until(lambda: producer.engine.policy_version == 3)
     rejected = [r.message for r in caplog.records if "rejected" in r.message]
     assert len(rejected) == 1 and "outside the weight store" in rejected[0], rejected
 
@@ -127,32 +130,27 @@ async def test_with_a_public_key_only_the_trainer_s_signatures_move_a_producer(
     trainer_key, public_key = generate_key_pair(tmp_path / "trainer")
     trainer, other = Signer(trainer_key), Signer(generate_key_pair(tmp_path / "other")[0])
     run = unique_run()
-    async with open_bus(kafka_broker.url) as bus:
-        await bus.create_topics(run_topics(run, prompt_partitions=1, trajectory_partitions=1))
-        producer = Producer(bus, run, model_dir, store, public_key=public_key)
+    async with running_producer(kafka_broker.url, run, model_dir, store, public_key=public_key) as producer:
         worker = producer.worker
-        try:
-            await producer.control(trainer.sign(records[1]))
-            await producer.until(lambda: producer.engine.policy_version == 1)
-            await producer.control(other.sign(records[2]))  # another key
-            await producer.control(records[3])  # unsigned
-            await producer.until(lambda: worker.counts["producer/weight_errors"] == 2)
-            await producer.status(other.sign(trainer_beat(5, generation=MAX_POLICY_VERSION)))
-            await producer.status(trainer_beat(5, generation=MAX_POLICY_VERSION))
-            await producer.control(other.sign(Command(command="stop", created_at=time.time())))
-            await producer.control(Command(command="pause", created_at=time.time()))
-            await producer.until(lambda: worker.counts["producer/unverified"] == 6)
-            assert (producer.engine.policy_version, worker.trainer.policy_version,
-                    worker.trainer.generation, worker.follower.announced.generation) == (1, 1, 0, 0)
-            assert not worker.paused and not producer.stop.is_set()
-            await producer.status(trainer.sign(trainer_beat(4, generation=0)))
-            await producer.until(lambda: worker.trainer.policy_version == 4)
-            await producer.control(trainer.sign(records[4]))  # still followed
-            await producer.until(lambda: producer.engine.policy_version == 4)
-            await feed(bus, run, arithmetic_problems("train")[:2], shuffle=False)
-            await producer.until(lambda: worker.counts["producer/groups"] == 2)
-            await producer.control(trainer.sign(Command(command="pause",
-                                                        created_at=time.time())))
-            await producer.until(lambda: worker.paused)
-        finally:
-            await producer.close()
+        await producer.control(trainer.sign(records[1]))
+        await producer.until(lambda: producer.engine.policy_version == 1)
+        await producer.control(other.sign(records[2]))  # another key
+        await producer.control(records[3])  # unsigned
+        await producer.until(lambda: worker.counts["producer/weight_errors"] == 2)
+        await producer.status(other.sign(trainer_beat(5, generation=MAX_POLICY_VERSION)))
+        await producer.status(trainer_beat(5, generation=MAX_POLICY_VERSION))
+        await producer.control(other.sign(Command(command="stop", created_at=time.time())))
+        await producer.control(Command(command="pause", created_at=time.time()))
+        await producer.until(lambda: worker.counts["producer/unverified"] == 6)
+        assert (producer.engine.policy_version, worker.trainer.policy_version,
+                worker.trainer.generation, worker.follower.announced.generation) == (1, 1, 0, 0)
+        assert not worker.paused and not producer.stop.is_set()
+        await producer.status(trainer.sign(trainer_beat(4, generation=0)))
+        await producer.until(lambda: worker.trainer.policy_version == 4)
+        await producer.control(trainer.sign(records[4]))  # still followed
+        await producer.until(lambda: producer.engine.policy_version == 4)
+        await feed(producer.bus, run, arithmetic_problems("train")[:2], shuffle=False)
+        await producer.until(lambda: worker.counts["producer/groups"] == 2)
+        await producer.control(trainer.sign(Command(command="pause",
+                                                    created_at=time.time())))
+        await producer.until(lambda: worker.paused)
