@@ -136,17 +136,17 @@ def tokenizer_folder(out: Path, *, vocab_size: int) -> Path:
 
 def mean_logprob_gap(model, prompts: list[list[int]], groups: list, params) -> float:
     """Mean |engine logprob - trainer logprob| over the completions `groups` (one list per
-    prompt) of an engine, the trainer's being `sampled_logprobs` under `model` (on CUDA) of the
-    same tokens. Checks each completion's finish reason on the way (GPU tests of the engines)."""
+    prompt) of an engine, the trainer's being `sampled_logprobs` under `model` (on its device)
+    of the same tokens. Checks each completion's finish reason on the way (the real-engine tests)."""
     import torch
 
     from miles.rl.sampling import sampled_logprobs
 
-    gaps = []
+    gaps, device = [], next(model.parameters()).device
     for prompt, group in zip(prompts, groups):
         for completion in group:
             assert completion.finish_reason in ("stop", "length")
-            ids = torch.tensor([prompt + completion.token_ids.tolist()], device="cuda")
+            ids = torch.tensor([prompt + completion.token_ids.tolist()], device=device)
             with torch.inference_mode():
                 logits = model(ids).logits[0, len(prompt) - 1:-1]  # [T, V]
             ours = sampled_logprobs(logits, ids[0, len(prompt):], temperature=params.temperature,

