@@ -2,10 +2,11 @@
 
 A checkpoint is a folder `<root>/step_<step:08d>/` holding the learner's state (trainable weights,
 optimizer, RNG, policy version) written with `torch.distributed.checkpoint` by every rank, plus
-`meta.json` from rank 0 with the step, the policy version, the trainer's counters and, per
-trajectory partition, the next offset to read. The folder is written under a temporary name;
-`meta.json` goes in last and lists every file of the folder with its size (the completeness
-marker), then the folder is renamed into place. `<root>/latest` names the newest, for people;
+`meta.json` from rank 0 with the step, the trainer generation, the trainer's counters, the
+adaptive KL coefficient (`kl_coef`: here, not in the state dict, so that older checkpoints still
+load) and, per trajectory partition, the next offset to read. The folder is written under a
+temporary name; `meta.json` goes in last and lists every file of the folder with its size (the
+completeness marker), then the folder is renamed into place. `<root>/latest` names the newest, for people;
 the trainer itself never trusts it and scans the folders by step number.
 
 Loading verifies before it trusts: a folder without `meta.json`, with a file missing or of

@@ -18,20 +18,30 @@ Simplifications:
   batch statistics of `reinforce_pp` and of the measured KL are all-reduced.
 - A masked truncated response (`mask_truncated`) has no trained token: no KL is counted for it,
   and it stays in its group's baseline with its plain reward.
-- The adaptive coefficient is not checkpointed: a resumed trainer starts again from kl_coef.
+
+Checkpoints: the coefficient goes into the checkpoint's meta.json (`checkpoint_meta`, key
+`kl_coef`), not the learner's state dict, so checkpoints written before it existed still load;
+`resume` takes it back under the adaptive controller (a fixed coefficient is the config's). A
+checkpoint without it resumes from `loss.kl_coef`, and says so in the log.
 """
 
 from __future__ import annotations
 
+import logging
+import math
 from collections import defaultdict
 
 import torch
 
+from miles.errors import CheckpointError
 from miles.rl.advantages import batch_advantages, kl_penalised_returns, kl_penalised_rewards
 from miles.rl.algorithm import AlgorithmConfig
 from miles.rl.kl import adaptive_kl_coef, kl_estimate
 from miles.rl.losses import LossSettings
 from miles.trainer import distributed
+
+log = logging.getLogger(__name__)
+META_KEY = "kl_coef"  # the coefficient of the next step, in a checkpoint's meta.json
 
 
 class KLPenalty:
@@ -75,6 +85,31 @@ class KLPenalty:
         if loss.kl_target is not None and self.responses > 0:
             self.coef = adaptive_kl_coef(self.coef, kl=self.kl, target=loss.kl_target,
                                          samples=self.responses, horizon=loss.kl_horizon)
+
+    def checkpoint_meta(self) -> dict[str, float]:
+        """What a checkpoint's meta.json records of the KL penalty: the next step's coefficient."""
+        return {META_KEY: self.coef}
+
+    def resume(self, meta: dict) -> None:
+        """Take the adapted coefficient back from a checkpoint's `meta` (adaptive controller
+        only: a fixed coefficient is `loss.kl_coef`). CheckpointError on a value that is not a
+        positive finite number."""
+        loss = self.algorithm.loss
+        if loss.kl_target is None:
+            return
+        if META_KEY not in meta:
+            log.warning("checkpoint of step %s has no %s (written before the adaptive KL "
+                        "coefficient was checkpointed): the controller starts again from "
+                        "loss.kl_coef=%g", meta.get("step"), META_KEY, loss.kl_coef)
+            return
+        coef = meta[META_KEY]
+        if isinstance(coef, bool) or not isinstance(coef, (int, float)) or \
+                not math.isfinite(coef) or coef <= 0:
+            raise CheckpointError(f"checkpoint of step {meta.get('step')}: {META_KEY} must be a "
+                                  f"positive finite number, got {coef!r}")
+        self.coef = self.used = float(coef)
+        log.info("adaptive KL coefficient resumed at %g (loss.kl_coef=%g)", self.coef,
+                 loss.kl_coef)
 
     def metrics(self) -> dict[str, float]:
         """`trainer/kl_coef` (the step's coefficient) and `trainer/kl_response` (its KL per

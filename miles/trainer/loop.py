@@ -341,7 +341,8 @@ class TrainerLoop:
         return {"step": self.step, "generation": self.runner.fence.generation,
                 "offsets": {f"{tp.topic}:{tp.partition}": o for tp, o in self.positions.items()},
                 "counts": dict(self.counts),
-                "lags": {str(lag): count for lag, count in self.lags.items()}}
+                "lags": {str(lag): count for lag, count in self.lags.items()},
+                **self.learner.kl.checkpoint_meta()}
 
     def _next_offsets(self) -> dict[TopicPartition, int]:
         """Per partition: the first offset not yet trained, dropped or dead-lettered."""

@@ -3,9 +3,10 @@
 Rank 0 (`miles.trainer.loop.TrainerLoop`) decides each step and broadcasts it as one msgpack
 message of the groups' wire bytes (`pack_step`; `distributed.broadcast_bytes`, no pickle); every
 rank's `StepRunner` runs it: resume from the newest checkpoint that verifies (rank 0 takes the
-next trainer generation first, `miles.trainer.fence`), train the step (groups that make it fail
-are bisected out by `miles.trainer.isolation` and come back for rank 0 to dead-letter), export
-the new weights to the store, checkpoint. Ranks other than 0 `follow` until rank 0 broadcasts
+next trainer generation first, `miles.trainer.fence`; the adaptive KL coefficient comes back
+from its meta.json), train the step (groups that make it fail are bisected out by
+`miles.trainer.isolation` and come back for rank 0 to dead-letter), export the new weights to
+the store, checkpoint. Ranks other than 0 `follow` until rank 0 broadcasts
 an empty message (stop).
 """
 
@@ -76,6 +77,7 @@ class StepRunner:
         if found is not None:
             meta = found[1]
             self.learner.load_state_dict(state)
+            self.learner.kl.resume(meta)
         if distributed.is_main():
             discard_versions_after(self.weights_dir, self.learner.policy_version)
         return meta, self.export(step=int(meta["step"]) if meta else 0)

@@ -5,15 +5,20 @@ The batch is tests/integration/conformance.py's (a: r = [1, 0, 0], 2/3/4 tokens;
 2/2 tokens) with behaviour logprobs 0.5 below the learner's own. LoRA starts as the identity
 (B = 0), so the reference (adapters off) equals the policy and the k1 KL of the sampling policy
 per token is behaviour - reference = -0.5: sum_t k1 = -0.5 n_i, mean over the 5 responses
--0.5 * 13 / 5 = -1.3.
+-0.5 * 13 / 5 = -1.3. The adapted coefficient survives a checkpoint (its meta.json); a process
+restart is tests/kafka/test_kl_resume.py.
 """
 
+import logging
 import math
 
 import numpy as np
 
 from miles.rl.losses import LossSettings
 from miles.trainer import update as update_module
+from miles.trainer.checkpoint import save_checkpoint
+from miles.trainer.loop import LoopConfig
+from miles.trainer.runner import StepRunner
 from tests.integration.conformance import (TOKENS, batch_groups, build, preset_config,
                                            process_group)  # noqa: F401
 from tests.factories import make_group
@@ -73,3 +78,36 @@ def test_the_adaptive_controller_moves_the_coefficient(model_dir):
         assert abs(learner.kl.coef - after) < 1e-9
         learner.train_step(shifted(batch_groups(learner)), apply=False)  # a probe: no update
         assert abs(learner.kl.coef - after) < 1e-9
+
+
+def adaptive_config():
+    return preset_config("grpo", loss=LossSettings(kl_coef=BETA, kl_target=6.0, kl_horizon=10.0))
+
+
+def resumed_learner(model_dir, out, *, with_coef: bool):
+    """A learner that trained one step (coefficient 0.1 -> 0.09, as above) and checkpointed it
+    (meta.json with its `checkpoint_meta`, or without, as older trainers wrote it), and a fresh
+    learner resumed from that checkpoint."""
+    trained = build(model_dir, adaptive_config())
+    trained.train_step(shifted(batch_groups(trained)))
+    meta = {"step": 1, **(trained.kl.checkpoint_meta() if with_coef else {})}
+    save_checkpoint(out / "checkpoints", 1, trained.state_dict(), meta)
+    resumed = build(model_dir, adaptive_config())
+    StepRunner(resumed, LoopConfig(out_dir=out), base_model="tiny").resume()
+    return trained, resumed
+
+
+def test_the_adapted_coefficient_comes_back_from_the_checkpoint(model_dir, tmp_path):
+    trained, resumed = resumed_learner(model_dir, tmp_path, with_coef=True)
+    assert abs(trained.kl.coef - 0.09) < 1e-9
+    assert resumed.kl.coef == trained.kl.coef and resumed.policy_version == 1
+    metrics = resumed.train_step(shifted(batch_groups(resumed)))
+    assert metrics["trainer/kl_coef"] == trained.kl.coef
+
+
+def test_a_checkpoint_without_the_coefficient_resumes_from_the_configured_one(
+        model_dir, tmp_path, caplog):
+    with caplog.at_level(logging.WARNING, logger="miles.trainer.kl_penalty"):
+        _, resumed = resumed_learner(model_dir, tmp_path, with_coef=False)
+    assert resumed.kl.coef == BETA and resumed.policy_version == 1
+    assert "has no kl_coef" in caplog.text and "loss.kl_coef=0.1" in caplog.text
