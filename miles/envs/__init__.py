@@ -1,0 +1,1 @@
+"""Environments for multi-turn episodes: the contract, tools, and the sandboxed interpreter."""
