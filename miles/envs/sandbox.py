@@ -4,8 +4,8 @@ Each `run(code)` starts `python -I` in its own session (process group) with a th
 directory, feeds the code on stdin and collects stdout/stderr, each read with a cap. Layers, from
 the operating system inward (`Protections` says which are active on this machine):
 - namespaces: when `unshare --net --pid` works (root, or where permitted), the child has no
-  network (only a loopback interface, down) and is PID 1 of its own PID namespace, so killing it kills
-  every process it started, even ones that left its process group;
+  network (only a loopback interface, down) and is PID 1 of its own PID namespace, so killing
+  it kills every process it started, even ones that left its process group;
 - uid drop: started as root, the child becomes an unprivileged uid (`nobody` by default) before
   the user's code runs, so the kernel enforces file permissions and RLIMIT_NPROC (which never
   binds root); the working directory is chowned to that uid;
