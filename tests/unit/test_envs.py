@@ -197,3 +197,35 @@ def test_loader_errors_name_the_spec(spec, message):
 def test_an_environment_that_needs_a_reward_without_one_is_a_config_error():
     with pytest.raises(ConfigError, match="env 'calculator' needs a reward"):
         load_environment("calculator")
+
+
+# --- the documented example runs --------------------------------------------------------------
+
+def python_blocks(path: str) -> list[str]:
+    import pathlib
+    import re
+
+    text = pathlib.Path(path).read_text(encoding="utf-8")
+    return re.findall(r"```python\n(.*?)```", text, re.DOTALL)
+
+
+async def test_the_guessing_game_in_docs_environments_md_plays_as_documented():
+    blocks = [b for b in python_blocks("docs/environments.md") if "GuessTheNumber" in b]
+    namespace = {"__name__": "docs_example"}
+    exec(compile(blocks[0], "docs/environments.md", "exec"), namespace)  # noqa: S102
+    steps = await namespace["play"]()
+    assert [s.observation for s in steps] == ["50 is wrong, go lower.",
+                                             "25 is wrong, go higher.", None]
+    assert [s.reward for s in steps] == [-0.1, -0.1, 1.0] and steps[-1].done
+
+
+async def test_the_tool_example_in_docs_environments_md_runs():
+    (block,) = [b for b in python_blocks("docs/environments.md") if "WordLengths" in b]
+    namespace = {"__name__": "docs_example"}
+    exec(compile(block, "docs/environments.md", "exec"), namespace)  # noqa: S102
+    env = namespace["WordLengths"](reward=MATH)
+    assert env.stop_strings == ("</tool>",)
+    await env.reset(Task("How many letters has banana?", "6"))
+    step = await env.step(Action("<tool>word_length: banana</tool>", finish_reason="stop_string"))
+    assert step.observation == "<result>6</result>"
+    assert (await env.step(Action("6"))).reward == 1.0
