@@ -75,3 +75,13 @@ class CommitFailedError(BusError):
     """A commit was refused because the consumer group's membership changed (a rebalance moved
     the partitions, or this member was dropped from the group); the records are re-delivered
     to whichever member now owns them."""
+
+
+class EnvError(MilesError):
+    """An environment broke its contract (a malformed Step, a step before reset or after the
+    episode ended) or could not be loaded; the producer fails that episode, not the run."""
+
+
+class ToolError(MilesError):
+    """A tool could not do what the model asked; raised by a tool, its message becomes the
+    `error: ...` result the model sees (no traceback), counted as a tool error."""

@@ -18,10 +18,10 @@ out (`reward_timeout_s`) or returns a non-finite value marks that sample (reward
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable
 
 from miles.errors import ConfigError
+from miles.plugins import import_object
 from miles.tasks.rewards.answers import math_answer
 from miles.tasks.rewards.matching import FormatReward, exact_match
 from miles.tasks.rewards.scorer import DEFAULT_TIMEOUT_S, Scored, Scorer, batched, inline
@@ -53,18 +53,11 @@ def reward_function(spec: str) -> Callable:
     if not (sep and prefix and rest):
         raise ConfigError(f"reward must be one of {sorted(BUILTIN_REWARDS)}, format:REGEX, "
                           f"rm:PATH or package.module:function, got {spec!r}")
-    return _import_plugin(spec, prefix, rest)
+    return _import_plugin(spec)
 
 
-def _import_plugin(spec: str, module_name: str, attr: str) -> Callable:
-    try:
-        module = importlib.import_module(module_name)
-    except Exception as err:  # noqa: BLE001 - any import-time failure of user code
-        raise ConfigError(f"reward {spec!r}: module {module_name!r} cannot be imported: "
-                          f"{type(err).__name__}: {err}") from err
-    fn = getattr(module, attr, None)
-    if fn is None:
-        raise ConfigError(f"reward {spec!r}: module {module_name!r} has no attribute {attr!r}")
+def _import_plugin(spec: str) -> Callable:
+    fn = import_object(spec, kind="reward")
     if not callable(fn):
         raise ConfigError(f"reward {spec!r} is not callable (a {type(fn).__name__})")
     return fn

@@ -135,7 +135,7 @@ class Scorer:
             async with deadline:
                 if self.is_async:
                     return await self.fn(*args, **kwargs), None
-                return await _in_daemon_thread(self.fn, *args, **kwargs), None
+                return await in_daemon_thread(self.fn, *args, **kwargs), None
         except TimeoutError as err:
             if deadline.expired():
                 return None, f"reward timed out after {self.timeout_s:g} s"
@@ -159,10 +159,14 @@ def _checked(value: Any) -> Scored:
     return Scored(reward)
 
 
-async def _in_daemon_thread(fn: Callable, *args: Any, **kwargs: Any) -> Any:
-    """`fn(*args, **kwargs)` in a new daemon thread; cancelling the wait abandons the thread."""
+async def in_daemon_thread(fn: Callable, *args: Any, **kwargs: Any) -> Any:
+    """`fn(*args, **kwargs)` in a new daemon thread; cancelling the wait abandons the thread.
+
+    Also what tools (`miles.envs.tools`) run sync functions with, for the same reasons.
+    """
     loop = asyncio.get_running_loop()
     done = loop.create_future()
+    name = getattr(fn, "__name__", "fn")
 
     def settle(result: Any, error: BaseException | None) -> None:
         if done.done():  # the caller stopped waiting (timeout or cancellation)
@@ -176,7 +180,7 @@ async def _in_daemon_thread(fn: Callable, *args: Any, **kwargs: Any) -> Any:
         try:
             outcome = (fn(*args, **kwargs), None)
         except StopIteration as err:  # a future cannot hold StopIteration
-            outcome = (None, RuntimeError(f"reward raised StopIteration: {err}"))
+            outcome = (None, RuntimeError(f"{name} raised StopIteration: {err}"))
         except BaseException as err:  # noqa: BLE001 - handed to the awaiting coroutine
             outcome = (None, err)
         try:
@@ -184,7 +188,7 @@ async def _in_daemon_thread(fn: Callable, *args: Any, **kwargs: Any) -> Any:
         except RuntimeError:  # the event loop closed while the reward ran: nobody waits
             return
 
-    threading.Thread(target=work, name=f"reward-{getattr(fn, '__name__', 'fn')}",
+    threading.Thread(target=work, name=f"call-{name}",
                      daemon=True).start()
     return await done
 
