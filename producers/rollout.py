@@ -31,7 +31,7 @@ class ProducerSettings:
     reward_timeout_s: float = 10.0  # per reward call; a timed-out sample gets 0.0 and an error
     torch_threads: int = 0  # 0 leaves torch's default
     vllm_server: VLLMServerSettings = field(default_factory=VLLMServerSettings)  # vllm-server
-    vllm: VLLMEngineSettings = field(default_factory=VLLMEngineSettings)  # engine vllm (on GPU)
+    vllm: VLLMEngineSettings = field(default_factory=VLLMEngineSettings)  # engine vllm (GPU or CPU)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
 
     def __post_init__(self) -> None:

@@ -32,6 +32,9 @@ Simplifications, chosen on purpose:
   `<prefix>-v<N>-reload` (a taken name is refused). Adapters named `<prefix>-v<N>` left by an
   earlier run are unloaded at start-up, so producers sharing one server need distinct
   `adapter_prefix`es.
+- A server that answers a generate with 404 no longer knows the adapter being served (it was
+  restarted); the engine loads the same folder under the same name again and retries once, so a
+  restarted server costs one failed batch, not a stuck producer.
 - Full weights cannot be swapped through this API: `load_full_weights` raises.
 
 vLLM source read for the server side (vllm-project/vllm, path @ commit):
@@ -130,6 +133,7 @@ class VLLMServerEngine(TokenizedEngine):
         cards = parse_model_cards(self._call("GET", "/v1/models"))
         self.base_model = pick_base_model(cards, model)
         self._served = self.base_model  # the model name requests use: base or current adapter
+        self._served_dir: Path | None = None  # the current adapter's folder (None: base model)
         if lora:
             stale = re.compile(rf"{re.escape(adapter_prefix)}-v\d+({RELOAD_SUFFIX})?")
             for card in cards:
@@ -167,7 +171,14 @@ class VLLMServerEngine(TokenizedEngine):
             else:
                 bodies = [completion_request(prompts, params, model=model,
                                              vocab_size=self._vocab_size)]
-            replies = self._exchange([("POST", "/v1/completions", b) for b in bodies])
+            calls = [("POST", "/v1/completions", b) for b in bodies]
+            try:
+                replies = self._exchange(calls)
+            except HTTPStatusError as err:
+                if err.status != 404 or self._served_dir is None:
+                    raise
+                self._load_again(err)
+                replies = self._exchange(calls)
         groups: list[list[Completion]] = []
         for body, reply in zip(bodies, replies):
             groups += parse_completions(reply, n_prompts=len(body["prompt"]), n=params.n,
@@ -194,6 +205,7 @@ class VLLMServerEngine(TokenizedEngine):
                 hint = f" ({LORA_HINT})" if err.status == 404 else ""
                 raise EngineError(f"cannot load adapter {name}: {err}{hint}") from err
             previous, self._served, self._policy_version = self._served, name, policy_version
+            self._served_dir = adapter_dir
             if previous != self.base_model:
                 self._unload(previous)
 
@@ -202,6 +214,19 @@ class VLLMServerEngine(TokenizedEngine):
             "engine 'vllm-server' cannot load full weights: a running vLLM server only takes new "
             "LoRA adapters over its API. Train with LoRA (producer lora settings), restart the "
             "server on the new checkpoint, or use engine 'hf'")
+
+    def _load_again(self, err: HTTPStatusError) -> None:
+        """The server does not know the adapter being served (a 404 on generate): it was
+        restarted, or someone unloaded it. Load the same folder under the same name again,
+        so the version of every response stays exact; the caller retries once."""
+        log.warning("the server does not serve adapter %s (%s); loading it again from %s",
+                    self._served, err, self._served_dir)
+        try:
+            self._call("POST", "/v1/load_lora_adapter",
+                       {"lora_name": self._served, "lora_path": str(self._served_dir)},
+                       reply_json=False)
+        except HTTPStatusError as again:
+            raise EngineError(f"cannot load adapter {self._served} again: {again}") from again
 
     def check_logprobs_mode(self) -> None:
         """Fail unless the server returns processed logprobs (see the module docstring)."""

@@ -2,7 +2,7 @@
 
 The replies in tests/data/vllm_server are shaped exactly like vLLM's OpenAI-compatible server
 writes them (see `miles.engines.vllm_api` for the source read). A tiny `http.server` on 127.0.0.1
-replays them, so the real HTTP code runs; the `gpu` test at the end talks to a real `vllm serve`.
+replays them, so the real HTTP code runs; tests/vllm starts and talks to a real vLLM server.
 """
 
 from __future__ import annotations
@@ -10,7 +10,6 @@ from __future__ import annotations
 import copy
 import importlib.util
 import json
-import os
 import socket
 import threading
 import time
@@ -26,7 +25,7 @@ from miles.engines.vllm_server import (VLLMServerEngine, VLLMServerSettings, run
                                        server_root)
 from miles.errors import ConfigError, EngineError
 from miles.rl.sampling import SamplingParams
-from tests.factories import mean_logprob_gap, tokenizer_folder
+from tests.factories import tokenizer_folder
 
 DATA = Path(__file__).parent.parent / "data" / "vllm_server"
 VOCAB = 80  # config.json's vocab_size (the tokenizer has 78 tokens, the logits are padded)
@@ -354,6 +353,33 @@ def test_a_new_lineage_s_version_of_the_served_number_loads_under_another_name(
     assert (engine.policy_version, engine.served_model) == (2, "miles-v2")
 
 
+def test_a_restarted_server_gets_the_served_adapter_again(fake, tokenizer_dir, adapter):
+    """A server restarted since the adapter was loaded answers 404 for its name: the engine
+    loads the same folder under the same name and retries the batch once (the real restart is
+    tests/vllm/test_producer.py)."""
+    fake.route("POST", "/v1/load_lora_adapter", "Success")
+    engine = engine_for(fake, tokenizer_dir)
+    engine.load_adapter(adapter, 3)
+    fake.route("POST", "/v1/completions", (404, recorded("error_model_not_found.json")),
+               recorded("completion_2x2.json"))
+    groups = engine.generate(PROMPTS, PARAMS)
+    assert {c.policy_version for g in groups for c in g} == {3}
+    assert fake.posted("/v1/load_lora_adapter") == 2 * [{"lora_name": "miles-v3",
+                                                         "lora_path": str(adapter.resolve())}]
+    assert [b["model"] for b in fake.posted("/v1/completions")] == ["miles-v3", "miles-v3"]
+    fake.route("POST", "/v1/completions", (404, recorded("error_model_not_found.json")))
+    with pytest.raises(EngineError, match="HTTP 404"):  # still unknown after loading: raised
+        engine.generate(PROMPTS, PARAMS)
+
+
+def test_the_base_model_is_not_reloaded_on_404(fake, tokenizer_dir):
+    fake.route("POST", "/v1/completions", (404, recorded("error_model_not_found.json")))
+    engine = engine_for(fake, tokenizer_dir)
+    with pytest.raises(EngineError, match="HTTP 404"):
+        engine.generate(PROMPTS, PARAMS)
+    assert fake.posted("/v1/load_lora_adapter") == []
+
+
 def test_failed_unload_is_logged_not_raised(fake, tokenizer_dir, adapter, caplog):
     fake.route("POST", "/v1/load_lora_adapter", "Success")
     fake.route("POST", "/v1/unload_lora_adapter", (500, {"error": {"message": "boom"}}))
@@ -501,44 +527,3 @@ def test_producer_config_reads_server_settings():
                                                       timeout_s=30.0, seeded=True)
     with pytest.raises(ConfigError, match="vllm_server.timeout_s"):
         load_config(ProducerSettings, overrides=["vllm_server.timeout_s=0"], env={})
-
-
-# -- a real server --------------------------------------------------------------------------------
-
-def _real_server_available() -> bool:
-    import torch
-
-    return bool(os.environ.get("MILES_VLLM_URL")) and torch.cuda.is_available() \
-        and importlib.util.find_spec("vllm") is not None
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not _real_server_available(),
-                    reason="needs CUDA, vllm and MILES_VLLM_URL (a running `vllm serve`)")
-def test_real_server_samples_the_processed_distribution():
-    """Against `vllm serve MODEL --logprobs-mode processed_logprobs` at MILES_VLLM_URL: the probe
-    passes, and the returned logprobs match the trainer's `sampled_logprobs` of the same tokens
-    (MILES_VLLM_TOKENIZER, default: the model path the server reports, must hold the weights)."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    url = os.environ["MILES_VLLM_URL"]
-    model_dir = os.environ.get("MILES_VLLM_TOKENIZER") or _served_root(url)
-    engine = VLLMServerEngine(url, os.environ.get("MILES_VLLM_MODEL", ""), model_dir, lora=False,
-                              timeout_s=300.0)
-    params = SamplingParams(n=4, temperature=0.7, top_k=20, top_p=0.9, max_new_tokens=16)
-    prompts = [engine.encode("The capital of France is"), engine.encode("1 + 1 =")]
-    groups = engine.generate(prompts, params)
-    assert [len(g) for g in groups] == [4, 4]
-    assert all(c.policy_version == 0 for group in groups for c in group)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).cuda().eval()
-    gap = mean_logprob_gap(model, prompts, groups, params)
-    assert gap < 0.1, gap  # bf16 serving vs fp32 scoring; raw logprobs differ far more
-
-
-def _served_root(url: str) -> str:
-    import urllib.request
-
-    with urllib.request.urlopen(server_root(url) + "/v1/models", timeout=30) as reply:
-        cards = json.load(reply)["data"]
-    return next(c["root"] for c in cards if not c.get("parent"))
