@@ -39,8 +39,10 @@ from consumers.trainer import TrainerSettings
 from miles.bus import open_bus
 from miles.bus.security import KafkaSecurity
 from miles.config import log_config
-from miles.engines.base import LoraSettings
+from miles.engines.base import LoraSettings, RolloutEngine
 from miles.engines.hf import HFEngine
+from miles.engines.vllm_engine import VLLMEngineSettings
+from miles.engines.vllm_server import VLLMServerSettings
 from miles.errors import ConfigError
 from miles.evaluation import Curve, Evaluator
 from miles.feeder import feed
@@ -58,7 +60,7 @@ from miles.trainer.runner import StepRunner
 from miles.weights.following import FollowConfig
 from miles.weights.signing import PUBLIC_KEY_FILE, ensure_key_pair
 from miles.weights.store import base_model_id
-from producers.rollout import ProducerSettings
+from producers.rollout import ENGINES, ProducerSettings, build_engine
 
 log = logging.getLogger(__name__)
 CACHE = Path.home() / ".cache" / "miles" / "demo"
@@ -76,6 +78,9 @@ class DemoConfig:
     reward: str = "exact_match"  # exact_match, math, format[:REGEX], rm:PATH or module:function
     reward_timeout_s: float = 10.0  # per reward call; a timed-out sample gets 0.0 and an error
     rl_seconds: float = 120.0
+    engine: str = "hf"  # the producer's: hf, vllm (in process) or vllm-server (a running server)
+    vllm: VLLMEngineSettings = field(default_factory=VLLMEngineSettings)  # engine vllm
+    vllm_server: VLLMServerSettings = field(default_factory=VLLMServerSettings)  # vllm-server
     fanout: bool = False  # Kafka: also run the evaluator and recorder daemons (fan-out consumers)
     max_staleness: int = 1
     eval_every_s: float = 10.0
@@ -90,6 +95,8 @@ class DemoConfig:
     def __post_init__(self) -> None:
         if self.rl_seconds <= 0:
             raise ConfigError(f"rl_seconds must be > 0, got {self.rl_seconds}")
+        if self.engine not in ENGINES:
+            raise ConfigError(f"engine must be one of {', '.join(ENGINES)}, got {self.engine!r}")
 
     def rollout(self) -> RolloutConfig:
         return RolloutConfig(run=self.run, producer_id="producer-0", sampling=self.sampling,
@@ -128,22 +135,36 @@ def warm_start(config: DemoConfig) -> Path:
 
 async def run_embedded(config: DemoConfig, model_dir: Path, evaluator: Evaluator,
                        stop: asyncio.Event) -> dict:
-    """Producer and trainer in this process on the embedded bus, for `rl_seconds`."""
+    """Producer and trainer in this process on the embedded bus, for `rl_seconds` (the clock
+    starts once the producer's engine is up)."""
     bus = evaluator.bus
-    engine = HFEngine(model_dir, lora=config.lora)
+    began = time.monotonic()
+    engine = demo_engine(config, model_dir)
+    engine_start_s = time.monotonic() - began
     worker = RolloutWorker(bus, engine, evaluator.scorer, config.rollout())
     learner = Learner(model_dir, config.learner, lora=config.lora)
     trainer = TrainerLoop(bus, StepRunner(learner, config.loop(),
                                           base_model=base_model_id(model_dir)))
     started = time.monotonic()
-    async with asyncio.TaskGroup() as tasks:
-        tasks.create_task(worker.run(stop))
-        tasks.create_task(trainer.run(stop))
-        tasks.create_task(evaluator.follow(stop, started))
-        await wait_or_stop(stop, config.rl_seconds)
-        stop.set()
-    return {"rl_seconds": time.monotonic() - started,
+    try:
+        async with asyncio.TaskGroup() as tasks:
+            tasks.create_task(worker.run(stop))
+            tasks.create_task(trainer.run(stop))
+            tasks.create_task(evaluator.follow(stop, started))
+            await wait_or_stop(stop, config.rl_seconds)
+            stop.set()
+    finally:
+        engine.close()
+    return {"rl_seconds": time.monotonic() - started, "engine_start_s": engine_start_s,
             "generate_s": worker.counts["producer/generate_s"]}
+
+
+def demo_engine(config: DemoConfig, model_dir: Path) -> RolloutEngine:
+    """The embedded producer's engine. The Hugging Face one is built here, not by the
+    producer's builder, which would set torch's threads for the trainer in this process too."""
+    if config.engine == "hf":
+        return HFEngine(model_dir, lora=config.lora)
+    return build_engine(daemon_settings(config, model_dir)["producer"])
 
 
 def daemon_settings(config: DemoConfig, model_dir: Path) -> dict:
@@ -156,7 +177,8 @@ def daemon_settings(config: DemoConfig, model_dir: Path) -> dict:
     return {
         "producer": ProducerSettings(**common, reward=config.reward, torch_threads=1,
                                      reward_timeout_s=config.reward_timeout_s,
-                                     rollout=config.rollout()),
+                                     engine=config.engine, vllm=config.vllm,
+                                     vllm_server=config.vllm_server, rollout=config.rollout()),
         "trainer": TrainerSettings(**common, torch_threads=1, learner=config.learner,
                                    loop=config.loop()),
         "evaluator": EvaluatorSettings(**common, run=config.run, prompts=config.prompts,
@@ -177,7 +199,8 @@ def write_settings(settings, path: Path) -> Path:
 async def run_processes(config: DemoConfig, model_dir: Path, evaluator: Evaluator,
                         stop: asyncio.Event) -> dict:
     """Producer and trainer (and with `fanout` the evaluator and recorder daemons) as separate
-    processes on Kafka; the clock starts when the trainer has announced its first version."""
+    processes on Kafka; the clock starts when the trainer has announced its first version and
+    the producer, its engine built, has sent its first heartbeat."""
     daemons = [("consumers.trainer", "trainer"), ("producers.rollout", "producer")]
     if config.fanout:
         daemons += [("consumers.evaluator", "evaluator"), ("consumers.recorder", "recorder")]
@@ -190,7 +213,9 @@ async def run_processes(config: DemoConfig, model_dir: Path, evaluator: Evaluato
         processes.append(subprocess.Popen([sys.executable, "-m", module, "--config", str(path)],
                                           stdout=log_file, stderr=subprocess.STDOUT))
     try:
+        spawned = time.monotonic()
         await evaluator.wait_for_version(0, stop)
+        await evaluator.wait_for_producer(stop)
         started = time.monotonic()
         async with asyncio.TaskGroup() as tasks:
             tasks.create_task(evaluator.follow(stop, started))
@@ -202,7 +227,8 @@ async def run_processes(config: DemoConfig, model_dir: Path, evaluator: Evaluato
             process.terminate()
         for process in processes:
             await asyncio.to_thread(process.wait, 120)
-    return {"rl_seconds": rl_seconds, "generate_s": sum(evaluator.producer_generate_s.values())}
+    return {"rl_seconds": rl_seconds, "engine_start_s": started - spawned,
+            "generate_s": sum(evaluator.producer_generate_s.values())}
 
 
 async def run_demo(config: DemoConfig, stop: asyncio.Event) -> dict:
@@ -261,7 +287,8 @@ def build_report(config: DemoConfig, result: dict, curve: Curve, *, initial: flo
         "steps": trainer.get("step", 0),
         "policy_version": int(trainer.get("trainer/policy_version", 0)),
         "wall_seconds": round(wall_s, 1), "rl_seconds": round(rl_s, 1),
-        "warm_start_seconds": round(warm_s, 1),
+        "warm_start_seconds": round(warm_s, 1), "engine": config.engine,
+        "engine_start_seconds": round(result["engine_start_s"], 1),
         "seconds_to_plus_25": reached,
         "max_lag_seen": max(lags) if lags else 0, "lag_histogram": lags,
         "dropped_stale": trainer.get("trainer/dropped_stale", 0),

@@ -88,6 +88,7 @@ class Evaluator:
         self.curve = Curve()
         self.announced = -1  # policy version of the newest announcement taken as a candidate
         self.producer_generate_s: dict[str, float] = {}
+        self.producers_seen: set[str] = set()  # ids of producers that sent a heartbeat
         self._followed = Announcements()
         self._loaded: tuple[int, int] | None = None  # lineage of the loaded weights; None: base
 
@@ -128,8 +129,10 @@ class Evaluator:
                     self._followed.fence(beat.trainer_generation)
                 else:
                     log.warning("evaluation ignores a trainer heartbeat: %s", why)
-            elif beat.role == "producer" and "generate_s" in beat.extra:
-                self.producer_generate_s[beat.producer_id] = float(beat.extra["generate_s"])
+            elif beat.role == "producer":
+                self.producers_seen.add(beat.producer_id)
+                if "generate_s" in beat.extra:
+                    self.producer_generate_s[beat.producer_id] = float(beat.extra["generate_s"])
         while items := await self._control.poll(timeout_s=wait_s):  # until caught up
             for item in items:
                 why = self.verifier.refusal(item.value) or self._followed.refusal(item.value)
@@ -141,6 +144,11 @@ class Evaluator:
 
     async def wait_for_version(self, version: int, stop: asyncio.Event) -> None:
         while self.announced < version and not stop.is_set():
+            await self.read_topics(wait_s=0.2)
+
+    async def wait_for_producer(self, stop: asyncio.Event) -> None:
+        """Until some producer has sent a heartbeat (it does once its engine is built)."""
+        while not self.producers_seen and not stop.is_set():
             await self.read_topics(wait_s=0.2)
 
     async def load_newest(self) -> bool:

@@ -85,9 +85,12 @@ async def run_producer(settings: ProducerSettings, stop) -> dict:
     rollout = settings.rollout
     if not rollout.base_model:  # reject versions trained on another base
         rollout = replace(rollout, base_model=base_model_id(settings.model_dir))
-    async with open_bus(settings.bus, settings.kafka) as bus:
-        worker = RolloutWorker(bus, engine, scorer, rollout)
-        await worker.run(stop)
+    try:
+        async with open_bus(settings.bus, settings.kafka) as bus:
+            worker = RolloutWorker(bus, engine, scorer, rollout)
+            await worker.run(stop)
+    finally:
+        engine.close()
     return {**worker.counts, "load_latency_p50_s": worker.follower.load_latency_p50()}
 
 

