@@ -121,8 +121,10 @@ def read_plain_sample(data: object) -> Sample | None:
             or finish_reason not in FINISH_REASONS  # only a str can equal one of them
             or not (error is None or type(error) is str)):
         return None
-    episode = _plain_scalar_map(data.get("episode"))
+    episode = data.get("episode")
     if episode is None:
+        episode = {}
+    elif (episode := _plain_scalar_map(episode)) is None:
         return None
     return from_checked(Sample, {
         "response_token_ids": ids, "logprobs": logprobs, "versions": versions, "reward": reward,
@@ -131,10 +133,8 @@ def read_plain_sample(data: object) -> Sample | None:
 
 
 def _plain_scalar_map(value: object) -> dict | None:
-    """An episode map as `FieldReader.scalar_map` reads it (absent: {}), None if it is not
-    valid (the general reader then names the problem with its path)."""
-    if value is None:
-        return {}
+    """An episode map as `read_episode` reads it, None if it is not valid (the general reader
+    then names the problem with its path)."""
     try:
         return read_episode(FieldReader({"episode": value}))
     except CodecError:
