@@ -18,7 +18,8 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-from miles.rl.advantages import gae_advantages, kl_penalised_returns, token_rewards
+from miles.rl.advantages import (gae_advantages, kl_penalised_returns, kl_penalised_rewards,
+                                 token_rewards)
 from miles.rl.aggregation import Normalisers
 from miles.rl.algorithm import AlgorithmConfig
 from miles.rl.losses import LossSettings, compute_policy_loss
@@ -181,6 +182,9 @@ def test_kl_penalties_in_the_reward_cover_policy_tokens_only():
     kl = torch.tensor([[5.0, 0.5, 0.5, 5.0, 5.0, 0.5, 5.0]])
     assert_close(token_rewards(torch.tensor([1.0]), mask, kl, 0.1),
                  torch.tensor([[0, -0.05, -0.05, 0, 0, 0.95, 0]]))
+    # RLOO-style sequence reward: r - coef * sum of the policy tokens' KL = 1 - 0.1 * 1.5
+    assert_close(kl_penalised_rewards(torch.tensor([1.0]), kl, mask, 0.1),
+                 torch.tensor([0.85], dtype=torch.float64))
     returns = kl_penalised_returns(torch.tensor([1.0]), kl, mask, 0.1)  # G_t = 1 - 0.1 sum_i>=t
     assert_close(returns, torch.tensor([[0, 0.85, 0.9, 0, 0, 0.95, 0]], dtype=torch.float64))
 
