@@ -34,6 +34,29 @@ def make_sample(n_tokens: int = 8, *, vocab_size: int = VOCAB_SIZE, policy_versi
     return Sample(**(fields | overrides))
 
 
+def make_episode(turns: list[tuple[int, int]], *, vocab_size: int = VOCAB_SIZE,
+                 policy_version: int = 3, seed: int = 0, **overrides) -> Sample:
+    """A multi-turn episode (1.4): one (policy tokens, observation tokens) pair per turn, the
+    policy's tokens of turn k generated under `policy_version + k`; observation tokens carry
+    mask 0, version -1 and logprob 0.0."""
+    rng = np.random.default_rng(seed)
+    mask = np.concatenate([np.r_[np.ones(p, np.uint8), np.zeros(o, np.uint8)]
+                           for p, o in turns])
+    versions = np.concatenate([np.r_[np.full(p, policy_version + k, np.int32),
+                                     np.full(o, -1, np.int32)]
+                               for k, (p, o) in enumerate(turns)])
+    n = len(mask)
+    fields = dict(
+        response_token_ids=rng.integers(0, vocab_size, n, dtype=np.int32),
+        logprobs=np.where(mask == 1, -rng.exponential(1.0, n), 0.0).astype(np.float32),
+        versions=versions, reward=float(rng.random()), finish_reason="stop", loss_mask=mask,
+        turn_ends=np.cumsum([p + o for p, o in turns]).astype(np.int32),
+        episode={"turns": len(turns), "tool_calls": len(turns) - 1, "tool_errors": 0,
+                 "env_s": 0.25},
+    )
+    return Sample(**(fields | overrides))
+
+
 def version_zero_sample(n: int, reward: float, seed: int, *, vocab_size: int = 78) -> Sample:
     """A sample of `n` tokens (ids from 4, below the tiny tokenizer's 78) that version 0 drew,
     with behaviour logprobs in [-6, -2]: what the trainer's door admits at its first step."""

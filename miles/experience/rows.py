@@ -3,7 +3,10 @@
 A row holds every field of a sample and of its group (group fields repeat on each of the
 group's rows), where the record sat on the bus, and a few derived values (lengths, version
 range). The fixed columns are `COLUMNS`; the open-ended maps are flattened after them:
-`sampling` key `k` becomes column `sampling_k`, `timings` key `k` becomes `timing_k`.
+`sampling` key `k` becomes column `sampling_k`, `timings` key `k` becomes `timing_k`, a sample's
+`episode` key `k` (1.4) becomes `episode_k`. An episode's row has its `loss_mask` and
+`turn_ends`; `turns` (1 for a single-turn sample) and `policy_length` (its policy tokens) are
+derived, and the version range is that of the policy's tokens.
 
 Simplifications:
 - Arrays stay numpy arrays (read-only views over the decoded record): each writer converts them
@@ -18,10 +21,12 @@ import logging
 from collections import Counter
 from collections.abc import AsyncIterator
 
+import numpy as np
+
 from miles.bus.base import Bus, Record
 from miles.bus.ranges import Bound, read_range
 from miles.errors import CodecError
-from miles.protocol import TrajectoryGroup, decode
+from miles.protocol import Sample, TrajectoryGroup, decode
 
 log = logging.getLogger(__name__)
 
@@ -38,13 +43,16 @@ COLUMNS: dict[str, str] = {
     "response_token_ids": "ints", "logprobs": "floats", "versions": "ints",
     "token_rewards": "floats", "response_length": "int", "min_version": "int",
     "max_version": "int",
+    # an episode's (1.4); null for a single-turn sample but turns (1) and policy_length (T)
+    "loss_mask": "ints", "turn_ends": "ints", "turns": "int", "policy_length": "int",
 }
 """Fixed columns in order, with their kind: str, int, float, ints (int32 array), floats
-(float32 array). `reference`, `error` and `token_rewards` may be null, and the location columns
-are null in rows built without a record."""
+(float32 array). `reference`, `error`, `token_rewards`, `loss_mask` and `turn_ends` may be null,
+and the location columns are null in rows built without a record."""
 
 SAMPLING_PREFIX = "sampling_"
 TIMING_PREFIX = "timing_"
+EPISODE_PREFIX = "episode_"
 
 
 def rows(group: TrajectoryGroup, record: Record | None = None) -> list[dict]:
@@ -71,10 +79,23 @@ def rows(group: TrajectoryGroup, record: Record | None = None) -> list[dict]:
             "response_token_ids": sample.response_token_ids, "logprobs": sample.logprobs,
             "versions": sample.versions, "token_rewards": sample.token_rewards,
             "response_length": len(sample.response_token_ids),
-            "min_version": int(sample.versions.min()), "max_version": int(sample.versions.max()),
+            "min_version": int(sample.policy_versions.min()),
+            "max_version": int(sample.policy_versions.max()),
+            "loss_mask": None if sample.loss_mask is None else sample.loss_mask.astype(np.int32),
+            "turn_ends": sample.turn_ends, "turns": turns(sample),
+            "policy_length": sample.policy_tokens,
         }
-        out.append(row | extras)
+        episode = {f"{EPISODE_PREFIX}{k}": v for k, v in sample.episode.items()}
+        out.append(row | extras | episode)
     return out
+
+
+def turns(sample: Sample) -> int:
+    """Turns of a sample: its `turn_ends`, else the `episode` map's int `turns`, else 1."""
+    if sample.turn_ends is not None:
+        return len(sample.turn_ends)
+    recorded = sample.episode.get("turns")
+    return recorded if type(recorded) is int and recorded > 0 else 1
 
 
 async def read_groups(bus: Bus, topic: str, start: Bound, end: Bound, *, group_id: str,

@@ -2,7 +2,9 @@
 
 What it reports: groups, samples and invalid records; reward mean by policy version (a sample's
 version is its oldest token's); response lengths; finish reasons; how far responses span weight
-updates; publish lag; producers and engines; mean timings; and the dead letters of the range.
+updates; publish lag; producers and engines; mean timings; the dead letters of the range; and,
+when the range holds multi-turn episodes (1.4), turns per episode, observation tokens, and the
+tool calls and tool errors their `episode` maps count. Versions are the policy tokens'.
 
 Choices:
 - Publish lag of a group = the newest `policy_version` announced on the run's control topic at or
@@ -30,7 +32,7 @@ from itertools import accumulate
 from miles.bus.base import Bus, Record
 from miles.bus.ranges import Bound, parse_bound, read_range, reader_group
 from miles.errors import CodecError
-from miles.experience.rows import read_groups
+from miles.experience.rows import read_groups, turns
 from miles.protocol import Command, DeadLetter, TrajectoryGroup, WeightVersion, decode
 from miles.protocol.topics import topic_name
 
@@ -107,6 +109,8 @@ class RangeSummary:
     producers: dict[str, dict] = field(default_factory=dict)
     engines: Counter[str] = field(default_factory=Counter)
     timings: dict[str, list] = field(default_factory=lambda: defaultdict(lambda: [0, 0.0]))
+    turns: Counter[int] = field(default_factory=Counter)  # turns per episode (1.4)
+    episode_counts: Counter[str] = field(default_factory=Counter)  # tool_calls, tool_errors, ...
 
     def __post_init__(self) -> None:
         self.announced = sorted(self.announced)
@@ -131,13 +135,25 @@ class RangeSummary:
             self.timings[key][1] += seconds
         self._add_versions(record, group)
         for sample in group.samples:
-            oldest, newest = int(sample.versions.min()), int(sample.versions.max())
+            versions = sample.policy_versions
+            oldest, newest = int(versions.min()), int(versions.max())
             self.rewards[oldest][0] += 1
             self.rewards[oldest][1] += sample.reward
             self.lengths[len(sample.response_token_ids)] += 1
             self.finish_reasons[sample.finish_reason] += 1
             self.reward_errors += sample.error is not None
             self.spanning_samples += oldest != newest
+            if sample.loss_mask is not None:
+                self._add_episode(sample)
+
+    def _add_episode(self, sample) -> None:
+        self.turns[turns(sample)] += 1
+        self.episode_counts["observation_tokens"] += \
+            len(sample.response_token_ids) - sample.policy_tokens
+        for key in ("tool_calls", "tool_errors"):
+            value = sample.episode.get(key)
+            if type(value) is int:
+                self.episode_counts[key] += value
 
     def _add_versions(self, record: Record, group: TrajectoryGroup) -> None:
         newest = max(int(s.versions.max()) for s in group.samples)
@@ -173,6 +189,11 @@ class RangeSummary:
                           for pid, p in sorted(self.producers.items())},
             "engines": dict(self.engines.most_common()),
             "timings_mean_s": {k: total / n for k, (n, total) in sorted(self.timings.items())},
+            "episodes": {"samples": self.turns.total(), "turns_mean": mean_of(self.turns),
+                         "turns_max": max(self.turns, default=None),
+                         "observation_tokens": self.episode_counts["observation_tokens"],
+                         "tool_calls": self.episode_counts["tool_calls"],
+                         "tool_errors": self.episode_counts["tool_errors"]},
         }
 
 
@@ -221,10 +242,20 @@ def format_stats(summary: dict) -> str:
         *(f"  {pid:<16}{p['groups']} groups, {p['samples']} samples, {', '.join(p['engines'])}"
           for pid, p in summary["producers"].items()),
         f"timings (mean s)  {_pairs({k: _num(v) for k, v in summary['timings_mean_s'].items()})}",
+        *_episode_lines(summary["episodes"]),
         f"dead letters      {summary['dlq']['records']} records of this range",
         *(f"  {n:>5}  {reason}" for reason, n in summary["dlq"]["reasons"].items()),
     ]
     return "\n".join(lines)
+
+
+def _episode_lines(episodes: dict) -> list[str]:
+    if not episodes["samples"]:
+        return []
+    return [f"episodes          {episodes['samples']} samples, turns mean "
+            f"{_num(episodes['turns_mean'])} max {episodes['turns_max']}, "
+            f"{episodes['observation_tokens']} observation tokens, {episodes['tool_calls']} tool "
+            f"calls, {episodes['tool_errors']} tool errors"]
 
 
 def _num(value: float | None) -> str:

@@ -27,7 +27,9 @@ from miles.bus.ranges import Bound, assign_all, parse_bound, reader_group, resol
 from miles.errors import CodecError
 from miles.protocol import (FLOAT_DTYPE, TOKEN_DTYPE, Command, DeadLetter, Heartbeat, PromptTask,
                             TrajectoryGroup, WeightVersion, WireRecord, decode)
+from miles.experience.rows import turns
 from miles.protocol.codec import unpack
+from miles.protocol.limits import MASK_DTYPE
 from miles.protocol.topics import topic_name
 
 EXPECTED = {"prompts": PromptTask, "trajectories": TrajectoryGroup,
@@ -74,6 +76,15 @@ def describe(record: Record, expected: type | tuple, *, raw: bool = False) -> st
         return f"{head} INVALID {err}"
 
 
+def _episodes(group: TrajectoryGroup) -> str:
+    """` turns [..] policy [..]` (turns, and policy / all tokens, per sample) when the group
+    holds an episode (1.4), else nothing."""
+    if all(s.loss_mask is None for s in group.samples):
+        return ""
+    policy = (f"{s.policy_tokens}/{len(s.response_token_ids)}" for s in group.samples)
+    return f" turns {_items(turns(s) for s in group.samples)} policy {_items(policy)}"
+
+
 def summarize(value: WireRecord) -> str:
     """The record's type and its telling fields, on one line."""
     match value:
@@ -86,7 +97,7 @@ def summarize(value: WireRecord) -> str:
                     f"rewards {_items(f'{s.reward:.3g}' for s in value.samples)} "
                     f"lengths {_items(len(s.response_token_ids) for s in value.samples)} "
                     f"finish {' '.join(f'{k}:{n}' for k, n in finish.items())}"
-                    + (f" reward_errors {errors}" if errors else ""))
+                    + (f" reward_errors {errors}" if errors else "") + _episodes(value))
         case WeightVersion():
             return (f"weight_version v{value.policy_version} step {value.step} {value.format} "
                     f"{value.bytes} bytes sha256 {value.sha256[:12]}… {value.uri}")
@@ -120,10 +131,14 @@ def plain(value: object) -> object:
     return value
 
 
+_ITEMSIZES = {d.str: d.itemsize for d in (TOKEN_DTYPE, FLOAT_DTYPE, MASK_DTYPE)}
+
+
 def _is_array_map(value: dict) -> bool:
     dtype, length, data = value.get("dtype"), value.get("length"), value.get("data")
-    return (len(value) == 3 and dtype in (TOKEN_DTYPE.str, FLOAT_DTYPE.str)
-            and isinstance(length, int) and isinstance(data, bytes) and len(data) == 4 * length)
+    size = _ITEMSIZES.get(dtype)
+    return (len(value) == 3 and size is not None and isinstance(length, int)
+            and isinstance(data, bytes) and len(data) == size * length)
 
 
 def _hex(data: bytes) -> str:

@@ -230,24 +230,27 @@ class FieldReader:
             raise CodecError(self.path(name), f"{len(value)} bytes exceed the cap of {max_len}")
         return bytes(value)
 
-    def _map(self, name: str) -> dict:
+    def _map(self, name: str, max_entries: int = MAX_MAP_ENTRIES,
+             bound: str = "MAX_MAP_ENTRIES") -> dict:
         value = self._data.get(name)
         if value is None:
             return {}
         if type(value) is not dict:
             raise CodecError(self.path(name), f"expected a map, got {wire_type_name(value)}")
-        if len(value) > MAX_MAP_ENTRIES:
-            raise CodecError(self.path(name), f"{len(value)} entries exceed MAX_MAP_ENTRIES "
-                                              f"({MAX_MAP_ENTRIES})")
+        if len(value) > max_entries:
+            raise CodecError(self.path(name), f"{len(value)} entries exceed {bound} "
+                                              f"({max_entries})")
         for key in value:
             if type(key) is not str:
                 raise CodecError(self.path(name), f"key {preview(key)} is not a str")
         return value
 
-    def scalar_map(self, name: str) -> dict[str, str | int | float | bool]:
-        """A str -> scalar map (absent means empty)."""
+    def scalar_map(self, name: str, *, max_entries: int = MAX_MAP_ENTRIES,
+                   bound: str = "MAX_MAP_ENTRIES") -> dict[str, str | int | float | bool]:
+        """A str -> scalar map (absent means empty) of at most `max_entries` (named `bound`)."""
         path = self.path(name)
-        return {k: _check_scalar(v, path, k) for k, v in self._map(name).items()}
+        return {k: _check_scalar(v, path, k)
+                for k, v in self._map(name, max_entries, bound).items()}
 
     def float_map(self, name: str) -> dict[str, float]:
         """A str -> finite float map (absent means empty)."""

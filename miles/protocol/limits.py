@@ -10,7 +10,7 @@ import numpy as np
 
 from miles.protocol.topics import MAX_RECORD_BYTES
 
-SCHEMA_VERSION = (1, 3)
+SCHEMA_VERSION = (1, 4)
 """(major, minor) written into every record. Readers reject another major, accept any minor."""
 
 TOKEN_DTYPE = np.dtype("<i4")
@@ -18,6 +18,12 @@ TOKEN_DTYPE = np.dtype("<i4")
 
 FLOAT_DTYPE = np.dtype("<f4")
 """Logprobs and per-token rewards: little-endian float32."""
+
+MASK_DTYPE = np.dtype("|u1")
+"""An episode's `loss_mask` (1.4): one unsigned byte per token, 0 or 1."""
+
+OBSERVATION_VERSION = -1
+"""The `versions` entry of an observation token (loss_mask 0, 1.4): no policy sampled it."""
 
 MAX_TOKENS_PER_SEQUENCE = 1 << 20
 """Longest prompt or response (tokens) a record may declare."""
@@ -27,6 +33,10 @@ MAX_SAMPLES_PER_GROUP = 4096
 
 MAX_MAP_ENTRIES = 1024
 """Most entries in a free-form scalar map (metadata, sampling, timings, extra)."""
+
+MAX_EPISODE_ENTRIES = 16
+"""Most entries in a sample's `episode` map (1.4): it comes with every sample, so the largest
+valid group stays within `MAX_OBJECTS_PER_RECORD`."""
 
 MAX_DEAD_LETTER_PAYLOAD_BYTES = 1 << 20
 """Rejected bytes kept in a `DeadLetter`; longer payloads are truncated (see `payload_size`)."""
@@ -50,8 +60,8 @@ INT64_MAX = (1 << 63) - 1
 MAX_OBJECTS_PER_RECORD = 1 << 18
 """Most msgpack objects in one record, counted as every map and array (at any depth, in known
 or ignored fields) plus its entries and elements. The largest valid record, a group of
-`MAX_SAMPLES_PER_GROUP` samples (~25 each: the sample map and its four array maps) with full
-scalar maps, has ~110,000; 8 MiB of empty containers would be 8 million, seconds of decoding."""
+`MAX_SAMPLES_PER_GROUP` samples (~53 each: the sample map, its six array maps and a full
+`episode` map) with full scalar maps, has ~220,000; 8 MiB of empty containers would be 8 million, seconds of decoding."""
 
 # msgpack unpacker limits, checked on each length prefix before anything is built: no valid
 # record has a longer array than `samples` or a bigger map than a free-form scalar map, so a

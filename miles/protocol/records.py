@@ -1,7 +1,9 @@
 """The records that travel on a run's topics, as frozen keyword-only dataclasses.
 
 prompts: `PromptTask`; trajectories: `TrajectoryGroup` (of `Sample`s); control: `WeightVersion`,
-`Command`; status: `Heartbeat`; dlq: `DeadLetter`. The three records that move a follower's
+`Command`; status: `Heartbeat`; dlq: `DeadLetter`. A `Sample` is one response or, with a
+`loss_mask` (1.4), one multi-turn episode: the policy's tokens and the environment's observation
+tokens in order, only the former trained (`policy_mask`, `policy_versions`). The three records that move a follower's
 state (`WeightVersion`, `Command`, a trainer's `Heartbeat`) carry an optional Ed25519
 `signature` (1.3) over `miles.protocol.codec.signed_message`. The field names here are the wire names
 (`docs/wire-format.md` lists them with their types and bounds).
@@ -26,12 +28,14 @@ from typing import ClassVar, Literal, TypeVar
 import numpy as np
 import numpy.typing as npt
 
-from miles.protocol.limits import FLOAT_DTYPE, MAX_DEAD_LETTER_PAYLOAD_BYTES, TOKEN_DTYPE
+from miles.protocol.limits import (FLOAT_DTYPE, MASK_DTYPE, MAX_DEAD_LETTER_PAYLOAD_BYTES,
+                                   TOKEN_DTYPE)
 
 Scalar = str | int | float | bool
 ScalarMap = dict[str, Scalar]
 IntArray = npt.NDArray[np.int32]
 FloatArray = npt.NDArray[np.float32]
+MaskArray = npt.NDArray[np.uint8]
 
 FINISH_REASONS = ("stop", "length", "abort")
 WEIGHT_FORMATS = ("lora", "full")
@@ -86,6 +90,9 @@ class PromptTask(WireRecord):
 class Sample(WireRecord):
     """One sampled response of a group: token-aligned arrays of equal length T >= 1.
 
+    An episode (1.4) is a sample with a `loss_mask`: `response_token_ids` hold everything after
+    the first prompt, the policy's tokens and the observation tokens of every turn, in order;
+    observation tokens (mask 0) have version -1 and logprob 0.0 and are context, never trained.
     Not a record of its own (no `wire_type`): it only travels inside a `TrajectoryGroup`.
     """
 
@@ -96,6 +103,32 @@ class Sample(WireRecord):
     token_rewards: FloatArray | None = array_field(FLOAT_DTYPE, default=None)  # [T]
     finish_reason: Literal["stop", "length", "abort"]
     error: str | None = None  # e.g. why the reward function failed (reward is then a fallback)
+    loss_mask: MaskArray | None = array_field(MASK_DTYPE, default=None)  # [T] 1: the policy
+    # sampled the token (trained), 0: an observation token; None: every token is the policy's
+    turn_ends: IntArray | None = array_field(TOKEN_DTYPE, default=None)  # [K] exclusive end of
+    # each turn (the policy's span, then the observation after it); increasing, last == T
+    episode: ScalarMap = field(default_factory=dict)  # turns, tool_calls, ... (informational)
+
+    @property
+    def policy_mask(self) -> npt.NDArray[np.bool_]:
+        """[T] bool: the tokens the policy sampled (all of them without a `loss_mask`)."""
+        if self.loss_mask is None:
+            return np.ones(len(self.response_token_ids), dtype=bool)
+        return self.loss_mask != 0  # any dtype: a record built before encode may hold int64
+
+    @property
+    def policy_tokens(self) -> int:
+        """How many tokens the policy sampled (T without a `loss_mask`)."""
+        if self.loss_mask is None:
+            return len(self.response_token_ids)
+        return int(np.count_nonzero(self.loss_mask))
+
+    @property
+    def policy_versions(self) -> IntArray:
+        """The versions of the policy's tokens (observation tokens' -1 left out), >= 1 entry."""
+        if self.loss_mask is None:
+            return self.versions
+        return self.versions[self.policy_mask]
 
 
 @dataclass(frozen=True, kw_only=True, eq=False)
@@ -119,8 +152,8 @@ class TrajectoryGroup(WireRecord):
 
     @cached_property
     def min_version(self) -> int:
-        """Oldest policy_version that produced any token of the group."""
-        return min(int(s.versions.min()) for s in self.samples)
+        """Oldest policy_version that produced any token of the group (policy tokens only)."""
+        return min(int(s.policy_versions.min()) for s in self.samples)
 
     def lag(self, trainer_version: int) -> int:
         """How many optimizer updates the trainer is ahead of the oldest token in the group."""

@@ -10,7 +10,8 @@ Decoding a `TrajectoryGroup` is the hot path (16+ samples per record), so it has
 `read_plain_sample` reads a sample as `encode` writes it with a few `type() is` tests and builds
 it with `from_checked`, and falls back to the general `read_sample` (which names the problem, or
 accepts a valid sample written differently) on anything else. The array values of a group are
-checked once over all samples' arrays (`check_group_values`), after every field was read.
+checked once over all samples' arrays (`check_group_values`), after every field was read; an
+episode's (1.4: `loss_mask`, `turn_ends`) by `miles.protocol.episodes`, one sample at a time.
 """
 
 import math
@@ -19,9 +20,11 @@ from collections.abc import Callable
 
 from miles.errors import CodecError
 from miles.protocol.arrays import FINITE, LOGPROBS, VERSIONS, token_ids_rule
+from miles.protocol.episodes import check_episode
 from miles.protocol.fields import ArraySpec, FieldReader, preview
-from miles.protocol.limits import (FLOAT_DTYPE, MAX_DEAD_LETTER_PAYLOAD_BYTES, MAX_GENERATION,
-                                   MAX_POLICY_VERSION, MAX_SAMPLES_PER_GROUP,
+from miles.protocol.limits import (FLOAT_DTYPE, MASK_DTYPE, MAX_DEAD_LETTER_PAYLOAD_BYTES,
+                                   MAX_EPISODE_ENTRIES, MAX_GENERATION, MAX_POLICY_VERSION,
+                                   MAX_SAMPLES_PER_GROUP,
                                    MAX_TOKENS_PER_SEQUENCE, MAX_VOCAB_SIZE, SIGNATURE_BYTES,
                                    TOKEN_DTYPE)
 from miles.protocol.records import (ALL_TARGETS, COMMANDS, FINISH_REASONS, WEIGHT_FORMATS, Command,
@@ -33,6 +36,8 @@ TOKENS = ArraySpec(TOKEN_DTYPE, max_len=MAX_TOKENS_PER_SEQUENCE)
 """Token ids and per-token versions: int32, 1 to MAX_TOKENS_PER_SEQUENCE long."""
 FLOATS = ArraySpec(FLOAT_DTYPE, max_len=MAX_TOKENS_PER_SEQUENCE)
 """Logprobs and per-token rewards: float32, 1 to MAX_TOKENS_PER_SEQUENCE long."""
+MASKS = ArraySpec(MASK_DTYPE, max_len=MAX_TOKENS_PER_SEQUENCE)
+"""An episode's loss mask (1.4): uint8, as long as its response."""
 
 
 def _created_at(r: FieldReader) -> float:
@@ -84,6 +89,9 @@ def read_sample(r: FieldReader) -> Sample:
         token_rewards=r.array("token_rewards", FLOATS, same_length_as=same, default=None),
         finish_reason=r.string("finish_reason", choices=FINISH_REASONS),
         error=r.string("error", default=None),
+        loss_mask=r.array("loss_mask", MASKS, same_length_as=same, default=None),
+        turn_ends=r.array("turn_ends", TOKENS, default=None),
+        episode=read_episode(r),
     )
 
 
@@ -102,17 +110,40 @@ def read_plain_sample(data: object) -> Sample | None:
         return None
     n = len(ids)
     logprobs, versions = FLOATS.view(data.get("logprobs"), n), TOKENS.view(data.get("versions"), n)
-    rewards = data.get("token_rewards")
+    rewards, mask, ends = data.get("token_rewards"), data.get("loss_mask"), data.get("turn_ends")
     token_rewards = None if rewards is None else FLOATS.view(rewards, n)
+    loss_mask = None if mask is None else MASKS.view(mask, n)
+    turn_ends = None if ends is None else TOKENS.view(ends)
     reward, finish_reason, error = data.get("reward"), data.get("finish_reason"), data.get("error")
     if (logprobs is None or versions is None or (rewards is not None and token_rewards is None)
+            or (mask is not None and loss_mask is None) or (ends is not None and turn_ends is None)
             or type(reward) is not float or not math.isfinite(reward)
             or finish_reason not in FINISH_REASONS  # only a str can equal one of them
             or not (error is None or type(error) is str)):
         return None
+    episode = data.get("episode")
+    if episode is None:
+        episode = {}
+    elif (episode := _plain_scalar_map(episode)) is None:
+        return None
     return from_checked(Sample, {
         "response_token_ids": ids, "logprobs": logprobs, "versions": versions, "reward": reward,
-        "token_rewards": token_rewards, "finish_reason": finish_reason, "error": error})
+        "token_rewards": token_rewards, "finish_reason": finish_reason, "error": error,
+        "loss_mask": loss_mask, "turn_ends": turn_ends, "episode": episode})
+
+
+def _plain_scalar_map(value: object) -> dict | None:
+    """An episode map as `read_episode` reads it, None if it is not valid (the general reader
+    then names the problem with its path)."""
+    try:
+        return read_episode(FieldReader({"episode": value}))
+    except CodecError:
+        return None
+
+
+def read_episode(r: FieldReader) -> dict:
+    """A sample's `episode` map (1.4): at most MAX_EPISODE_ENTRIES scalars."""
+    return r.scalar_map("episode", max_entries=MAX_EPISODE_ENTRIES, bound="MAX_EPISODE_ENTRIES")
 
 
 def read_samples(r: FieldReader) -> list[Sample]:
@@ -127,17 +158,24 @@ def read_samples(r: FieldReader) -> list[Sample]:
 def check_group_values(prompt_ids: IntArray, samples: list[Sample], vocab_size: int) -> None:
     """The value rules of the group's arrays, each tested once over all arrays of its kind (the
     prompt's token ids with the responses'): numpy's cost per call, not per element, dominates."""
-    ids, logprobs, versions, rewarded = [prompt_ids], [], [], []
+    ids, logprobs, versions, rewarded, plain, episodes = [prompt_ids], [], [], [], [], []
     for i, s in enumerate(samples):
         ids.append(s.response_token_ids)
         logprobs.append(s.logprobs)
-        versions.append(s.versions)
+        if s.loss_mask is None:
+            versions.append(s.versions)
+            plain.append(i)
         if s.token_rewards is not None:
             rewarded.append(i)
+        if s.loss_mask is not None or s.turn_ends is not None:
+            episodes.append(i)
     token_ids_rule(vocab_size).check_all(
         ids, lambda k: f"samples[{k - 1}].response_token_ids" if k else "prompt_token_ids")
     LOGPROBS.check_all(logprobs, lambda k: f"samples[{k}].logprobs")
-    VERSIONS.check_all(versions, lambda k: f"samples[{k}].versions")
+    if versions:
+        VERSIONS.check_all(versions, lambda k: f"samples[{plain[k]}].versions")
+    for i in episodes:  # masked versions: -1 exactly on observation tokens
+        check_episode(samples[i], f"samples[{i}]")
     if rewarded:
         FINITE.check_all([samples[i].token_rewards for i in rewarded],
                          lambda k: f"samples[{rewarded[k]}].token_rewards")

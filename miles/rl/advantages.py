@@ -35,8 +35,12 @@ Simplifications:
   is a weighted normalisation over samples (`weights`: each sample's trained tokens);
   `normalise_over="samples"` weighs each sample once. The batch is what the caller gives (the
   trainer passes the whole global batch). `masked_whiten` likewise sees only its tensor.
-- GAE assumes each row's valid tokens are a prefix (right padding): the value after the last valid
-  token is 0 (the episode ended), and padded positions get advantage and return 0.
+- GAE runs over each row's valid tokens in order, whatever lies between them: the valid tokens
+  are moved to the front of the row (`compress`), GAE runs there, the results go back to their
+  positions. For a multi-turn episode the valid tokens are the policy's, so one turn's last
+  token bootstraps from the next turn's first (gamma and lambda discount per policy token; the
+  environment's observation tokens are no steps). The value after a row's last valid token is
+  0 (the episode ended); other positions get advantage and return 0.
 """
 
 from __future__ import annotations
@@ -207,14 +211,34 @@ def batch_advantages(rewards: list[torch.Tensor], *, estimator: str,
 
 def gae_advantages(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, *,
                    gamma: float, lam: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """GAE advantages and returns of right-padded responses, both [B, T].
+    """GAE advantages and returns over each row's valid tokens, both [B, T].
 
-    delta_t = r_t + gamma * V_{t+1} - V_t with V = 0 at and after the first padded position;
-    A_t = delta_t + gamma * lam * A_{t+1}; returns = A + V. `rewards`, `values` are [B, T],
-    `mask` [B, T] bool; padded entries are ignored (may hold inf/nan) and come out 0.
+    With v_1 .. v_m the row's valid tokens in order (any positions: a prompt before them,
+    padding or an episode's observation tokens between and after them):
+    delta_k = r_k + gamma * V_{k+1} - V_k with V_{m+1} = 0; A_k = delta_k + gamma * lam *
+    A_{k+1}; returns = A + V. `rewards`, `values` are [B, T], `mask` [B, T] bool; entries off
+    the mask are ignored (may hold inf/nan) and come out 0.
     """
-    rewards = torch.where(mask, rewards.detach().float(), 0.0)  # [B, T]
-    values = torch.where(mask, values.detach().float(), 0.0)  # [B, T]
+    order = compress(mask)  # [B, T]: the valid positions first, in order
+    packed = mask.gather(1, order)  # [B, T]: a prefix of each row
+    advantages, returns = _prefix_gae(rewards.detach().float().gather(1, order),
+                                      values.detach().float().gather(1, order), packed,
+                                      gamma=gamma, lam=lam)
+    return (torch.zeros_like(advantages).scatter(1, order, advantages),
+            torch.zeros_like(returns).scatter(1, order, returns))
+
+
+def compress(mask: torch.Tensor) -> torch.Tensor:
+    """[B, T] int64 permutation of each row putting its `mask`ed positions first, in order
+    (`x.gather(1, order)` packs them; `scatter(1, order, .)` puts them back)."""
+    return torch.argsort((~mask).to(torch.int8), dim=1, stable=True)
+
+
+def _prefix_gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, *,
+                gamma: float, lam: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """GAE of rows whose valid tokens are a prefix (`gae_advantages` after `compress`)."""
+    rewards = torch.where(mask, rewards, 0.0)  # [B, T]
+    values = torch.where(mask, values, 0.0)  # [B, T]
     next_values = torch.cat([values[:, 1:], torch.zeros_like(values[:, :1])], dim=1)  # [B, T]
     deltas = rewards + gamma * next_values - values  # [B, T]
     advantages = torch.zeros_like(deltas)  # [B, T]

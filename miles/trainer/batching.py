@@ -31,6 +31,13 @@ Simplifications:
   `reinforce_pp` normalises over all of them whatever their sizes, counting each sample's
   trained response tokens (none for a masked truncated response) under
   `advantage.normalise_over="tokens"`.
+- Episodes (1.4, a sample with a `loss_mask`): the row is the prompt and the whole episode, the
+  observation tokens are context, and `response_mask` marks the policy's tokens only, so every
+  loss, KL, entropy, importance weight and metric downstream (all of them read this mask) counts
+  policy tokens; `trained_tokens` too. Token limits count the whole episode: the overlong
+  penalty measures T (policy and observation tokens) against `sampling.max_new_tokens`, the
+  limit a producer records for an episode's tokens after the prompt (docs/wire-format.md,
+  "Episodes"), as truncation does.
 - The overlong penalty needs each group's recorded `sampling.max_new_tokens`: a group without it
   is refused (`shaped_rewards` raises; the trainer's intake dead-letters it first), since
   falling back to the longest response would give that response the full penalty.
@@ -72,7 +79,8 @@ class MicroBatch:
     attention_mask: torch.Tensor | None  # [R, T] int64, 1 on real tokens; None when packed
     position_ids: torch.Tensor  # [R, T] int64, 0..len-1 on each sample's tokens, 0 on padding
     response_mask: torch.Tensor  # [B, L-1] bool: target t of a sample (its token t+1) is a
-    # trained response token (all response tokens of a row, none for a masked row)
+    # trained response token (the policy's tokens of a row: an episode's observation tokens
+    # are not, none for a masked row)
     behaviour_logprobs: torch.Tensor  # [B, L-1] float32 engine logprobs of the targets, 0 off-mask
     advantages: torch.Tensor  # [B] float32 outcome advantages (0 under the critic: GAE is later)
     rewards: torch.Tensor  # [B] float32 shaped rewards
@@ -153,10 +161,10 @@ def shaped_rewards(group: TrajectoryGroup, algorithm: AlgorithmConfig) -> torch.
 
 
 def trained_tokens(group: TrajectoryGroup, algorithm: AlgorithmConfig) -> torch.Tensor:
-    """Response tokens of each sample of `group` that get a loss ([n]; 0 for a masked
-    truncated response): what `reinforce_pp` counts under normalise_over="tokens"."""
+    """Response tokens of each sample of `group` that get a loss ([n]: its policy tokens, 0 for
+    a masked truncated response): what `reinforce_pp` counts under normalise_over="tokens"."""
     return torch.tensor([0 if algorithm.mask_truncated and s.finish_reason == "length"
-                         else len(s.response_token_ids) for s in group.samples],
+                         else s.policy_tokens for s in group.samples],
                         dtype=torch.float64)
 
 
@@ -241,7 +249,8 @@ def collate(lines: list[list[_Row]], sampling: SamplingSetting, *, pad_id: int,
                 np.concatenate([row.prompt, row.sample.response_token_ids]).astype(np.int64))
             position_ids[r, offset:offset + n] = torch.arange(n)
             layout[b, :n - 1] = r * (length - 1) + offset + torch.arange(n - 1)
-            response_mask[b, p - 1:n - 1] = row.trained  # targets p..n-1: predicted at p-1..n-2
+            if row.trained:  # targets p..n-1 (predicted at p-1..n-2): the policy's tokens
+                response_mask[b, p - 1:n - 1] = torch.from_numpy(row.sample.policy_mask)
             behaviour[b, p - 1:n - 1] = torch.from_numpy(row.sample.logprobs.astype(np.float32))
             offset += n
             b += 1

@@ -2,7 +2,9 @@
 
 The codec (`miles.protocol.schema`) checks a record against the wire format alone: types, the
 ranges that hold for any trainer, sibling arrays of one length, token ids below the record's own
-`vocab_size`, finite logprobs <= 0, finite rewards, versions >= 0. A record can pass all of that
+`vocab_size`, finite logprobs <= 0, finite rewards, versions >= 0, and an episode's structure
+(1.4: `loss_mask` entries 0 or 1 with at least one policy token, versions -1 exactly on
+observation tokens, valid `turn_ends`; `miles.protocol.episodes`). A record can pass all of that
 and still end this trainer's step, or silently bend it: a temperature it cannot re-score with, a
 vocabulary that is not its model's, a row longer than its memory plan, versions it has not
 reached yet, rewards that overflow the advantages. `check_group` tests a `TrajectoryGroup`
@@ -20,6 +22,10 @@ Simplifications:
 - The longest row is `learner.max_tokens_per_micro_batch`, the budget the user sized the
   trainer's memory for (`miles.trainer.memory` estimates it); the batcher would otherwise give
   a longer sample a micro-batch of its own, of any size.
+- Episodes: every rule that speaks of versions or staleness reads the policy's tokens only
+  (`Sample.policy_versions`, `TrajectoryGroup.min_version`): observation tokens (version -1)
+  were sampled by no policy. A row is the whole episode (prompt + every turn's tokens): the
+  length rule counts observation tokens, which the trainer's forward holds like any other.
 - Sampling parameters must be numbers of the right kind (an int `top_k`, no bools, no strings
   such as "0.7"): a foreign writer's string is a bug to surface, not a value to guess at.
 """
@@ -163,9 +169,10 @@ def check_lengths(group: TrajectoryGroup, limits: TrainerLimits) -> Rejection | 
 
 
 def check_versions(group: TrajectoryGroup, policy_version: int) -> Rejection | None:
-    """No token claims a policy version the trainer has not reached (its lag would be negative
-    and pass any staleness bound); the codec already keeps versions >= 0."""
-    arrays = [s.versions for s in group.samples]
+    """No policy token claims a policy version the trainer has not reached (its lag would be
+    negative and pass any staleness bound); the codec already keeps them >= 0 (an episode's
+    observation tokens -1, which no policy sampled)."""
+    arrays = [s.versions for s in group.samples]  # -1 (observations) is never above
     whole = np.frombuffer(b"".join(arrays), dtype=arrays[0].dtype)
     if int(whole.max()) <= policy_version:
         return None

@@ -23,10 +23,11 @@ from miles.cli import main
 from miles.errors import ConfigError
 from miles.experience import COLUMNS, export, stats, tail
 from miles.experience import files
+from miles.experience.stats import format_stats
 from miles.protocol import TrajectoryGroup, encode
 from miles.protocol.topics import run_topics, topic_name
 from tests.conftest import unique_run
-from tests.factories import (array_map, make_command, make_dead_letter, make_group,
+from tests.factories import (array_map, make_command, make_dead_letter, make_episode, make_group,
                              make_heartbeat, make_sample, make_weight_version, pack_map, wire_map)
 
 STEP_S = 0.005  # between publishes: distinct millisecond timestamps keep the range order
@@ -127,6 +128,7 @@ def expected_rows(name: str, delivery: Delivery) -> list[dict]:
             "token_rewards": None if s.token_rewards is None else s.token_rewards.tolist(),
             "response_length": len(s.versions), "min_version": int(s.versions.min()),
             "max_version": int(s.versions.max()),
+            "loss_mask": None, "turn_ends": None, "turns": 1, "policy_length": len(s.versions),
             **{f"sampling_{k}": v for k, v in group.sampling.items()},
             **{f"timing_{k}": v for k, v in group.timings.items()},
         })
@@ -329,3 +331,36 @@ def test_cli_export_stats_and_tail_on_kafka(kafka_broker, tmp_path, capsys):
     assert capsys.readouterr().out.count(" group g") == 4
     assert main(["stats", "--bus", "embedded://", "--run", run]) == 2
     assert "the embedded bus lives inside one process" in capsys.readouterr().err
+
+
+EPISODES = make_group(  # two episodes (1.4) and a single-turn sample, versions 3..4
+    seed=5, group_id="ge", task_id="te", sampling={"max_new_tokens": 64}, timings={},
+    samples=[make_episode([(2, 3), (1, 0)], seed=1, episode={"turns": 2, "tool_calls": 1,
+                                                              "tool_errors": 1}),
+             make_episode([(1, 4), (1, 2), (2, 0)], seed=2, episode={"tool_calls": 2}),
+             sample([4, 4], 1.0)])
+
+
+async def test_export_stats_and_tail_of_episodes(bus, run, tmp_path):
+    await bus.publish(topic_name(run, "trajectories"), encode(EPISODES), partition=0)
+    await export(bus, run, "earliest", "latest", tmp_path / "e.jsonl")
+    rows = [json.loads(line) for line in (tmp_path / "e.jsonl").read_text().splitlines()]
+    shown = [(r["turns"], r["policy_length"], r["response_length"], r["loss_mask"],
+              r["turn_ends"], r["min_version"], r["max_version"]) for r in rows]
+    assert shown == [(2, 3, 6, [1, 1, 0, 0, 0, 1], [5, 6], 3, 4),
+                     (3, 4, 10, [1, 0, 0, 0, 0, 1, 0, 0, 1, 1], [5, 8, 10], 3, 5),
+                     (1, 2, 2, None, None, 4, 4)]
+    assert rows[0]["episode_tool_errors"] == 1 and rows[1]["episode_tool_calls"] == 2
+    assert rows[0]["versions"] == [3, 3, -1, -1, -1, 4]
+    summary = await stats(bus, run)
+    assert summary["episodes"] == {"samples": 2, "turns_mean": 2.5, "turns_max": 3,
+                                   "observation_tokens": 3 + 6, "tool_calls": 3,
+                                   "tool_errors": 1}
+    assert summary["versions"]["min"] == 3  # not the observation tokens' -1
+    assert "episodes          2 samples, turns mean 2.5 max 3, 9 observation tokens, 3 tool " \
+           "calls, 1 tool errors" in format_stats(summary | {"topic": "t"})
+    (line,) = await collect(tail(bus, run, start="earliest", limit=1))
+    assert line.endswith(" turns [2 3 1] policy [3/6 4/10 2/2]"), line
+    assert " v3..5 " in line
+    (raw,) = await collect(tail(bus, run, start="earliest", limit=1, raw=True))
+    assert '"loss_mask": [1, 1, 0, 0, 0, 1]' in raw

@@ -266,7 +266,7 @@ DECODE_REJECTIONS = [
     (_set("type", "trajectory"), "type", "unknown record type 'trajectory'; known: prompt_task"),
     (_delete("type"), "type", "missing required field"),
     (_set("schema", [2, 0]), "schema",
-     "record has schema 2.0, this reader reads major version 1 (schema 1.3); upgrade"),
+     "record has schema 2.0, this reader reads major version 1 (schema 1.4); upgrade"),
     (_set("schema", [0, 9]), "schema", "record has schema 0.9"),
     (_set("schema", "1.0"), "schema", "expected an array of 2 ints"),
     (_delete("schema"), "schema", "missing required field"),

@@ -11,10 +11,14 @@ from hypothesis.extra.numpy import arrays
 from miles.errors import CodecError
 from miles.protocol import (FINISH_REASONS, MAX_POLICY_VERSION, MAX_VOCAB_SIZE, RECORD_TYPES,
                             Sample, TrajectoryGroup, decode, encode)
-from tests.factories import make_group, make_records, pack_map, wire_map
+from tests.factories import make_episode, make_group, make_records, pack_map, wire_map
 
+VOCAB = 32_000
 FUZZ = settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-VALID = [encode(r) for r in make_records()] + [encode(make_group(n_samples=3, n_tokens=5))]
+VALID = [encode(r) for r in make_records()] + [encode(make_group(n_samples=3, n_tokens=5)),
+                                               encode(make_group(samples=[make_episode(
+                                                   [(2, 3), (1, 1)], vocab_size=VOCAB)],
+                                                   vocab_size=VOCAB))]
 TYPE_NAMES = [t.wire_type for t in RECORD_TYPES]
 INT64 = (-(2 ** 63), 2 ** 63 - 1)
 
@@ -88,6 +92,22 @@ def samples(draw, vocab_size: int) -> Sample:
 
 
 @st.composite
+def episodes(draw, vocab_size: int) -> Sample:
+    """A multi-turn sample (1.4): turns of >= 1 policy token then >= 0 observation tokens."""
+    turns = draw(st.lists(st.tuples(st.integers(1, 4), st.integers(0, 4)), min_size=1,
+                          max_size=4))
+    single = draw(samples(vocab_size))
+    n = sum(p + o for p, o in turns)
+    episode = make_episode(turns, vocab_size=vocab_size, seed=draw(st.integers(0, 99)),
+                           episode=draw(scalar_maps), reward=single.reward,
+                           finish_reason=single.finish_reason)
+    if draw(st.booleans()):
+        episode = Sample(**{**vars(episode), "turn_ends": None})
+    return Sample(**{**vars(episode), "response_token_ids": draw(arrays(
+        np.int32, n, elements=st.integers(0, vocab_size - 1)))})
+
+
+@st.composite
 def groups(draw) -> TrajectoryGroup:
     vocab_size = draw(st.integers(1, MAX_VOCAB_SIZE))
     ids = st.integers(0, vocab_size - 1)
@@ -95,7 +115,8 @@ def groups(draw) -> TrajectoryGroup:
         group_id=draw(st.text(min_size=1, max_size=12)),
         task_id=draw(st.text(min_size=1, max_size=12)),
         prompt_token_ids=draw(arrays(np.int32, st.integers(1, 16), elements=ids)),
-        samples=draw(st.lists(samples(vocab_size), min_size=1, max_size=4)),
+        samples=draw(st.lists(samples(vocab_size) | episodes(vocab_size), min_size=1,
+                              max_size=4)),
         producer_id=draw(st.text(min_size=1, max_size=12)),
         engine=draw(st.sampled_from(["hf", "vllm"])),
         vocab_size=vocab_size,
@@ -111,7 +132,8 @@ def groups(draw) -> TrajectoryGroup:
 def test_generated_groups_round_trip(group):
     decoded = decode(encode(group), expected=TrajectoryGroup)
     assert decoded == group
-    assert decoded.min_version == min(int(s.versions.min()) for s in group.samples)
+    assert decoded.min_version == min(int(v) for s in group.samples
+                                      for v, m in zip(s.versions, s.policy_mask) if m)
 
 
 # --- (d) arbitrary msgpack maps that claim a record type ----------------------------------------
