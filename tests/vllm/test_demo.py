@@ -36,3 +36,17 @@ def test_a_short_demo_on_the_in_process_vllm_engine(bus, kafka_broker, vllm_mode
     if bus == "kafka":
         log = (tmp_path / "producer.log").read_text()
         assert "loaded policy version 2" in log, log[-3000:]
+
+
+@pytest.mark.slow
+def test_a_short_demo_on_a_running_server(vllm_server, vllm_model_dir, tmp_path):
+    """`miles demo --set engine=vllm-server --set vllm_server.base_url=URL`: the demo's model is
+    the one the server serves; each version reaches the server as an adapter."""
+    overrides = [f"model_dir={vllm_model_dir}", f"out_dir={tmp_path}", "rl_seconds=10",
+                 "eval_every_s=2", "eval_problems=16", "groups_per_step=4", "lora.r=4",
+                 "lora.alpha=8", "engine=vllm-server", f"vllm_server.base_url={vllm_server.url}",
+                 "vllm_server.adapter_prefix=demo-test"]
+    assert main_demo(load_config(DemoConfig, env={}, overrides=overrides)) == 0
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert report["engine"] == "vllm-server" and report["steps"] >= 2
+    assert max(p["policy_version"] for p in report["curve"]) >= 1
