@@ -7,17 +7,15 @@ from __future__ import annotations
 import asyncio
 import json
 
-import numpy as np
 import pytest
-from transformers import AutoTokenizer
 
-from miles.engines import Completion, HFEngine
-from miles.engines.base import TokenizedEngine
+from miles.engines import HFEngine
 from miles.episodes import MESSAGES_KEY, EpisodeRunner, EpisodeSettings
 from miles.protocol import PromptTask
 from miles.rl.sampling import SamplingParams
 from miles.tasks.tiny_model import CHAT_TEMPLATE, build_char_tokenizer, build_tiny_model
 from tests import envs
+from tests.scripted import ScriptedEngine
 
 TRIMMING_TEMPLATE = CHAT_TEMPLATE.replace("message['content']", "(message['content'] | trim)")
 """Like Llama 3's, which trims every message: an earlier turn ' 4 ' renders as '4'."""
@@ -58,29 +56,12 @@ async def run_episodes(engine, factory, tasks, sampling=SAMPLING):
     return await asyncio.wait_for(runner.run(prompts, 0), WAIT_S)
 
 
-class ScriptedEngine(TokenizedEngine):
-    """Replies with scripted texts (turn k of every episode gets `replies[k]`, then EOS), on a
-    real tokenizer: for the cases a random model would hit only by chance."""
-
-    name = "scripted"
-
-    def __init__(self, tokenizer_dir, replies: list[str]):
-        self.tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
-        self._vocab_size, self._eos_token_id = len(self.tokenizer), self.tokenizer.eos_token_id
-        self.replies = replies
-
-    def generate(self, prompts, params, *, seed=None, stop_strings=()):
-        out = []
-        for prompt in prompts:
-            turn = self.decode(prompt).count("<assistant>") - 1  # generation prompts so far
-            ids = self.encode(self.replies[min(turn, len(self.replies) - 1)]) + [self._eos_token_id]
-            out.append([Completion(token_ids=np.asarray(ids, dtype=np.int32),
-                                   logprobs=np.full(len(ids), -0.5, dtype=np.float32),
-                                   finish_reason="stop", policy_version=0)])
-        return out
-
-    def load_adapter(self, adapter_dir, policy_version, *, new_lineage=False):
-        raise NotImplementedError
+def scripted(tokenizer_dir, replies: list[str]) -> ScriptedEngine:
+    """Turn k of every episode says `replies[k]` (then EOS)."""
+    def reply(prompt: str) -> str:
+        turn = prompt.count("<assistant>") - 1  # one generation prompt per turn so far
+        return replies[min(turn, len(replies) - 1)]
+    return ScriptedEngine(tokenizer_dir, reply)
 
 
 def rendered(tokenizer, messages) -> list[int]:
@@ -116,14 +97,14 @@ async def test_a_template_that_rewrites_earlier_turns_fails_the_episode(chat_dir
     trimming = build_char_tokenizer(chat=True, chat_template=TRIMMING_TEMPLATE)
     trimming.save_pretrained(tmp_path)
     replies = [" 4 ", "5"]
-    (broken,) = await run_episodes(ScriptedEngine(tmp_path, replies), envs.ChatCounter,
+    (broken,) = await run_episodes(scripted(tmp_path, replies), envs.ChatCounter,
                                    [chat_task()])
     for record in broken:
         assert record.failure_kind == "template" and len(record.turns) == 1
         assert "does not extend the tokens so far" in record.failure
         assert "response token 0" in record.failure  # where the trimmed ' 4 ' starts
         assert record.sample().finish_reason == "abort"
-    (fine,) = await run_episodes(ScriptedEngine(chat_dir, replies), envs.ChatCounter,
+    (fine,) = await run_episodes(scripted(chat_dir, replies), envs.ChatCounter,
                                  [chat_task()])
     assert all(r.failure is None and len(r.turns) == 3 for r in fine)  # the template's fault
 
