@@ -215,3 +215,13 @@ async def test_single_turn_through_the_runner_is_todays_sample(engine):
             assert (sample.loss_mask, sample.turn_ends, sample.token_rewards) == (None,) * 3
             assert sample.episode == {}
     assert isinstance(factory(), SingleTurn) and rewards == {0.0, 1.0}
+
+
+async def test_max_concurrent_bounds_the_episodes_in_flight(engine):
+    calls = []
+    await run_episodes(engine, envs.Counter, [prompt_task("a"), prompt_task("b")],
+                       settings=EpisodeSettings(max_concurrent=1), calls=calls)
+    assert [len(prompts) for prompts, *_ in calls] == [1] * 12  # 4 episodes x 3 turns, alone
+    calls.clear()
+    await run_episodes(engine, envs.Counter, [prompt_task("a"), prompt_task("b")], calls=calls)
+    assert [len(prompts) for prompts, *_ in calls] == [4, 4, 4]
