@@ -82,6 +82,17 @@ class EnvError(MilesError):
     episode ended) or could not be loaded; the producer fails that episode, not the run."""
 
 
+class EpisodeError(MilesError):
+    """One episode cannot go on: its environment raised or timed out, or its context cannot be
+    extended token-in, token-out (a chat template that rewrites earlier turns). `kind` names
+    the cause (`env_error`, `env_timeout`, `template`, `bad_task`); the producer records and
+    counts the episode as failed and never trains on it, the batch goes on."""
+
+    def __init__(self, kind: str, message: str):
+        super().__init__(message)
+        self.kind = kind
+
+
 class ToolError(MilesError):
     """A tool could not do what the model asked; raised by a tool, its message becomes the
     `error: ...` result the model sees (no traceback), counted as a tool error."""

@@ -4,7 +4,9 @@ Three loops share one engine:
 - generation: take a batch of `PromptTask`s (the producers' consumer group shares them), sample
   `n` responses each in the engine's executor thread, score each group with one `Scorer` call
   (groups one after another: a reward model's call never waits, timer running, behind another),
-  publish one `TrajectoryGroup` per prompt, then commit the prompts (`miles.bus.commits`). When
+  or, with an environment (`env=`), play `n` episodes per prompt (`miles.rollout_groups`,
+  `miles.episodes`); publish one `TrajectoryGroup` per prompt, then commit the prompts
+  (`miles.bus.commits`). When
   a rebalance or a graceful stop revokes partitions, the revocation waits for the batch in
   flight and commits what is published, so graceful membership changes duplicate nothing. A
   producer killed before its commit, or one whose commit the group refuses because membership
@@ -40,20 +42,20 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import numpy as np
-
 from miles.admission import TrainerView, required_version
 from miles.bus import Bus, TopicPartition
 from miles.bus.commits import DoneOffsets
 from miles.bus.decoding import DecodingConsumer
-from miles.engines.base import Completion, RolloutEngine, prompt_problem
+from miles.engines.base import RolloutEngine, prompt_problem
+from miles.envs import EnvironmentFactory
+from miles.episodes import EpisodeSettings
 from miles.errors import ConfigError, EngineError
-from miles.protocol import (ALL_TARGETS, Command, Heartbeat, PromptTask, Sample, TrajectoryGroup,
-                            WeightVersion, encode)
+from miles.protocol import ALL_TARGETS, Command, Heartbeat, PromptTask, WeightVersion, encode
 from miles.protocol.topics import topic_name
 from miles.rl.sampling import SamplingParams
 from miles.service import wait_or_stop
-from miles.tasks.rewards import Scored, Scorer
+from miles.rollout_groups import EPISODE_COUNTERS, EpisodeGroups, SingleTurnGroups
+from miles.tasks.rewards import Scorer
 from miles.weights.follower import WeightFollower
 from miles.weights.following import FollowConfig
 
@@ -93,11 +95,14 @@ def timed(fn, *args) -> float:
 
 
 class RolloutWorker:
-    def __init__(self, bus: Bus, engine: RolloutEngine, scorer: Scorer, config: RolloutConfig):
+    def __init__(self, bus: Bus, engine: RolloutEngine, scorer: Scorer, config: RolloutConfig, *,
+                 env: EnvironmentFactory | None = None,
+                 episodes: EpisodeSettings | None = None):
         self.bus = bus
         self.engine = engine
         self.scorer = scorer
         self.config = config
+        self.env = env
         self.trainer = TrainerView()
         self.paused = False
         self.counts: dict[str, float] = {"producer/groups": 0, "producer/tokens": 0,
@@ -107,6 +112,11 @@ class RolloutWorker:
                                          "producer/bad_prompts": 0,
                                          "producer/unverified": 0}
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
+        shared = (engine, config.sampling, config.producer_id, self.counts)
+        self.groups = (SingleTurnGroups(*shared, scorer=scorer, in_engine=self._in_engine)
+                       if env is None else
+                       EpisodeGroups(*shared, factory=env, settings=episodes or EpisodeSettings(),
+                                     in_engine=self._in_engine))
         self.follower = WeightFollower(config.weights, base_model=config.base_model,
                                        counts=self.counts, apply=self._apply,
                                        reject=self._reject)
@@ -243,55 +253,24 @@ class RolloutWorker:
 
     async def _roll_out(self, batch: list[tuple[PromptTask, list[int]]]) -> None:
         began = time.perf_counter()
-        tasks, prompts = [task for task, _ in batch], [ids for _, ids in batch]
-        self._in_flight = len(tasks)
+        self._in_flight = len(batch)
         self._sequence += 1
-        completions = await self._in_engine(self.engine.generate, prompts, self.config.sampling,
-                                            seed=self.config.seed * 1_000_003 + self._sequence)
-        generated = time.perf_counter()
-        groups = [await self._group(task, prompt, outs, generated - began)
-                  for task, prompt, outs in zip(tasks, prompts, completions)]
+        groups = await self.groups.groups(batch, self.config.seed * 1_000_003 + self._sequence,
+                                          self._sequence)
         pending = [await self.bus.send(self._topic("trajectories"), encode(g),
                                        key=g.task_id.encode()) for g in groups]
         for delivery in pending:
             await delivery
         self._in_flight = 0
         self.counts["producer/groups"] += len(groups)
-        self.counts["producer/tokens"] += sum(len(s.response_token_ids)
-                                              for g in groups for s in g.samples)
-        self.counts["producer/generate_s"] += generated - began
-        self.counts["producer/other_s"] += time.perf_counter() - generated
+        self.counts["producer/tokens"] += sum(s.policy_tokens for g in groups for s in g.samples)
+        self.counts["producer/generate_s"] += self.groups.generate_s
+        self.counts["producer/other_s"] += time.perf_counter() - began - self.groups.generate_s
 
     def _prompt_ids(self, task: PromptTask) -> list[int]:
         if task.prompt_token_ids is not None:
             return task.prompt_token_ids.tolist()
         return self.engine.encode(task.prompt)
-
-    async def _group(self, task: PromptTask, prompt: list[int], completions: list[Completion],
-                     generate_s: float) -> TrajectoryGroup:
-        began = time.perf_counter()
-        n = len(completions)
-        texts = [self.engine.decode(c.token_ids[:-1] if c.finish_reason == "stop"
-                                    else c.token_ids) for c in completions]
-        scored = await self.scorer.score(texts, [task.reference] * n, [task.prompt] * n)
-        samples = [self._sample(c, s) for c, s in zip(completions, scored, strict=True)]
-        return TrajectoryGroup(
-            group_id=f"{task.task_id}/e{task.epoch}/{self.config.producer_id}/{self._sequence}",
-            task_id=task.task_id, epoch=task.epoch,
-            prompt_token_ids=np.asarray(prompt, dtype=np.int32),
-            samples=samples, producer_id=self.config.producer_id, engine=self.engine.name,
-            vocab_size=self.engine.vocab_size, sampling=self.config.sampling.as_wire(),
-            reference=task.reference,
-            timings={"generate_s": generate_s, "reward_s": time.perf_counter() - began},
-            created_at=time.time())
-
-    @staticmethod
-    def _sample(completion: Completion, scored: Scored) -> Sample:
-        ids = completion.token_ids
-        return Sample(response_token_ids=ids, logprobs=completion.logprobs,
-                      versions=np.full(len(ids), completion.policy_version, dtype=np.int32),
-                      reward=scored.reward, finish_reason=completion.finish_reason,
-                      error=scored.error)
 
     # -- control ------------------------------------------------------------------------------
 
@@ -383,6 +362,8 @@ class RolloutWorker:
                  "generate_s": round(self.counts["producer/generate_s"], 3),
                  "other_s": round(self.counts["producer/other_s"], 3),
                  "load_s": round(self.counts["producer/load_s"], 3)}
+        if self.env is not None:
+            extra.update(episode_extras(self.counts))
         if self.waiting is not None:
             extra["waiting"] = self.waiting
         if self.follower.load_latencies:
@@ -396,3 +377,14 @@ class RolloutWorker:
                          extra=extra, created_at=time.time())
         await self.bus.publish(self._topic("status"), encode(beat),
                                key=self.config.producer_id.encode())
+
+
+def episode_extras(counts: dict[str, float]) -> dict[str, int | float]:
+    """The heartbeat's episode counters: episodes, turns, tool calls and errors, env seconds,
+    failed episodes (and `failed_<kind>` by reason), truncated ones, empty groups."""
+    out: dict[str, int | float] = {name: round(counts[f"producer/{name}"], 3)
+                                   if name == "env_s" else int(counts[f"producer/{name}"])
+                                   for name in EPISODE_COUNTERS}
+    out.update({f"failed_{key.removeprefix('producer/failed/')}": int(value)
+                for key, value in counts.items() if key.startswith("producer/failed/")})
+    return out

@@ -1,7 +1,8 @@
 """Rollout producer daemon: `python -m producers.rollout --config producer.toml [--set k=v ...]`.
 
-Wires an engine, a reward function and the bus into a `RolloutWorker` and runs it until SIGTERM
-(drain: the batch in hand is published and its prompts committed) or a `stop` command.
+Wires an engine, a reward function (and, with `env`, an environment: multi-turn episodes, see
+docs/environments.md) and the bus into a `RolloutWorker` and runs it until SIGTERM (drain: the
+batch in hand is published and its prompts committed) or a `stop` command.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from miles.bus.security import KafkaSecurity
 from miles.engines.base import LoraSettings, RolloutEngine
 from miles.engines.vllm_engine import VLLMEngineSettings
 from miles.engines.vllm_server import VLLMServerSettings
+from miles.episodes import EpisodeSettings
 from miles.errors import ConfigError
 from miles.rollout import RolloutConfig, RolloutWorker
 from miles.service import daemon_main
@@ -33,6 +35,8 @@ class ProducerSettings:
     vllm_server: VLLMServerSettings = field(default_factory=VLLMServerSettings)  # vllm-server
     vllm: VLLMEngineSettings = field(default_factory=VLLMEngineSettings)  # engine vllm (GPU or CPU)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    env: str = ""  # environment: a built-in (single_turn, calculator, python) or module:Name
+    episodes: EpisodeSettings = field(default_factory=EpisodeSettings)  # limits when env is set
 
     def __post_init__(self) -> None:
         if self.engine not in ENGINES:
@@ -77,17 +81,20 @@ def build_engine(settings: ProducerSettings) -> RolloutEngine:
 
 async def run_producer(settings: ProducerSettings, stop) -> dict:
     from miles.bus import open_bus
+    from miles.envs import load_environment
     from miles.tasks.rewards import resolve_reward
     from miles.weights.store import base_model_id
 
     scorer = resolve_reward(settings.reward, timeout_s=settings.reward_timeout_s)
+    env = load_environment(settings.env, reward=scorer) if settings.env else None
     engine = build_engine(settings)
     rollout = settings.rollout
     if not rollout.base_model:  # reject versions trained on another base
         rollout = replace(rollout, base_model=base_model_id(settings.model_dir))
     try:
         async with open_bus(settings.bus, settings.kafka) as bus:
-            worker = RolloutWorker(bus, engine, scorer, rollout)
+            worker = RolloutWorker(bus, engine, scorer, rollout, env=env,
+                                   episodes=settings.episodes)
             await worker.run(stop)
     finally:
         engine.close()

@@ -52,3 +52,64 @@ def add(a: int, b: int) -> int:
 
 class Adder(ToolEnvironment):
     tools = (add,)
+
+
+class Counter(Environment):
+    """`turns` turns (3, or the task's metadata["turns"]): after turn k (1-based) the
+    observation is `n=k.` with step reward 0.25, and the last turn ends with reward 1.0.
+    Records what it saw in `seen` (class-wide, for tests)."""
+
+    seen: list = []
+    closed = 0
+
+    async def reset(self, task: Task):
+        self.task, self.k = task, 0
+        self.turns = int(task.metadata.get("turns", 3))
+        return None
+
+    async def step(self, action: Action) -> Step:
+        self.k += 1
+        Counter.seen.append((self.task.metadata.get("name"), self.k, action))
+        if self.k >= self.turns:
+            return Step(None, 1.0, done=True, info={"tool_calls": self.k - 1})
+        return Step(f"n={self.k}.", 0.25, info={"tool_calls": 1, "tool_errors": self.k % 2})
+
+    async def close(self) -> None:
+        Counter.closed += 1
+
+
+class Gated(Counter):
+    """A Counter whose steps wait for `GATE` (set by the test) when the task's metadata says
+    `slow`, sleep `delay` seconds when it gives one, and raise on turn `fail_at`."""
+
+    gate = None  # an asyncio.Event the test creates
+
+    async def step(self, action: Action) -> Step:
+        meta = self.task.metadata
+        if meta.get("slow"):
+            await Gated.gate.wait()
+        if meta.get("delay"):
+            import asyncio
+            await asyncio.sleep(float(meta["delay"]))
+        if int(meta.get("fail_at", 0)) == self.k + 1:
+            raise RuntimeError("the simulator crashed")
+        return await super().step(action)
+
+
+class ChatCounter(Counter):
+    """A Counter whose observations are `tool` messages (rendered by the chat template)."""
+
+    async def step(self, action: Action) -> Step:
+        step = await super().step(action)
+        if step.done:
+            return step
+        return Step(({"role": "tool", "content": step.observation},), step.reward,
+                    info=step.info)
+
+
+class Greeter(Counter):
+    """A Counter that starts with its own first observation (text) instead of the prompt."""
+
+    async def reset(self, task: Task):
+        await super().reset(task)
+        return "Hi. " + task.prompt_text

@@ -163,12 +163,13 @@ def mean_logprob_gap(model, prompts: list[list[int]], groups: list, params) -> f
     of the same tokens. Checks each completion's finish reason on the way (the real-engine tests)."""
     import torch
 
+    from miles.engines.base import FINISH_REASONS
     from miles.rl.sampling import sampled_logprobs
 
     gaps, device = [], next(model.parameters()).device
     for prompt, group in zip(prompts, groups):
         for completion in group:
-            assert completion.finish_reason in ("stop", "length")
+            assert completion.finish_reason in FINISH_REASONS  # the engine contract's
             ids = torch.tensor([prompt + completion.token_ids.tolist()], device=device)
             with torch.inference_mode():
                 logits = model(ids).logits[0, len(prompt) - 1:-1]  # [T, V]

@@ -11,6 +11,13 @@ Simplifications, chosen on purpose:
   carries that single `policy_version` (a response never spans an update inside one engine call).
 - Token ids are plain lists in and numpy arrays out: the wire carries numpy arrays, and tensors
   would tie the contract to torch devices.
+- Stop strings (`generate(..., stop_strings=)`, the end of a tool call in a multi-turn episode)
+  end a response as soon as its decoded text contains one: the tokens sampled up to and
+  including the one that completed it are kept (a stop string's characters are part of what the
+  model sampled; a token that completes it and runs past it is kept whole), and the finish
+  reason is "stop_string", the same name as `miles.envs.Action.finish_reason`. EOS wins when it
+  is sampled; a stop string completed by the last token the budget allows is "stop_string".
+  Requests without stop strings are untouched (the engines' fast paths stay as they were).
 """
 
 from __future__ import annotations
@@ -24,7 +31,11 @@ import numpy as np
 from miles.errors import ConfigError, EngineError
 from miles.rl.sampling import SamplingParams
 
-FINISH_REASONS = ("stop", "length")  # "stop": EOS sampled (and kept); "length": max_new_tokens hit
+FINISH_REASONS = ("stop", "stop_string", "length")
+""""stop": EOS sampled (and kept); "stop_string": the text reached one of the request's stop
+strings (kept); "length": max_new_tokens hit. The wire's `Sample.finish_reason` has no
+"stop_string": a producer records such a turn's episode as "stop"."""
+MAX_STOP_STRINGS = 16  # a turn ends on any of these; more is a configuration mistake
 DEFAULT_LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
@@ -50,7 +61,9 @@ class LoraSettings:
 
 @dataclass(frozen=True, kw_only=True, eq=False)
 class Completion:
-    """One sampled response. If `finish_reason == "stop"`, the last token is the EOS token."""
+    """One sampled response. If `finish_reason == "stop"`, the last token is the EOS token; if
+    "stop_string", the decoded tokens contain one of the request's stop strings (ending in the
+    last token)."""
 
     token_ids: np.ndarray  # [T] int32
     logprobs: np.ndarray  # [T] float32, logprob of each token under the processed distribution
@@ -78,6 +91,18 @@ def prompt_problem(prompt: list[int], vocab_size: int) -> str | None:
     if low < 0 or high >= vocab_size:
         return f"has token ids outside [0, {vocab_size}) (from {low} to {high})"
     return None
+
+
+def checked_stop_strings(stop_strings: tuple[str, ...]) -> tuple[str, ...]:
+    """`stop_strings` as a tuple of non-empty strings, at most `MAX_STOP_STRINGS`; EngineError
+    otherwise (a bare string would stop at each of its characters)."""
+    if isinstance(stop_strings, str) or not all(isinstance(s, str) and s for s in stop_strings):
+        raise EngineError(f"stop_strings must be a tuple of non-empty strings, got "
+                          f"{stop_strings!r}")
+    stops = tuple(stop_strings)
+    if len(stops) > MAX_STOP_STRINGS:
+        raise EngineError(f"at most {MAX_STOP_STRINGS} stop strings, got {len(stops)}")
+    return stops
 
 
 class RolloutEngine(abc.ABC):
@@ -114,8 +139,10 @@ class RolloutEngine(abc.ABC):
 
     @abc.abstractmethod
     def generate(self, prompts: list[list[int]], params: SamplingParams, *,
-                 seed: int | None = None) -> list[list[Completion]]:
-        """`params.n` completions for each prompt, in prompt order. Blocking."""
+                 seed: int | None = None,
+                 stop_strings: tuple[str, ...] = ()) -> list[list[Completion]]:
+        """`params.n` completions for each prompt, in prompt order; a response also ends when its
+        decoded text contains one of `stop_strings` (see the module docstring). Blocking."""
 
     @abc.abstractmethod
     def load_adapter(self, adapter_dir: Path, policy_version: int, *,

@@ -12,6 +12,10 @@ Simplifications, chosen on purpose:
   until every row is done: no continuous batching, no paged cache. This engine is for CPU runs,
   tests and small GPUs; throughput at scale is vLLM's job.
 - One EOS id (the tokenizer's) ends a response; extra stop ids of some chat models are ignored.
+- Stop strings are checked per row after each step by decoding only the row's last few tokens
+  (`StopStrings`: as many as the longest stop string has characters, plus slack for tokens
+  that decode to nothing), so the check costs one short decode per unfinished row and step and
+  nothing for requests without stop strings.
 - LoRA adapters are hot-loaded into the one adapter built at start-up: once its config, keys and
   shapes match, each tensor is copied in place into its live parameter, so a new version costs a
   tensor copy (peft's `set_peft_model_state_dict` walks the whole model on every call: 22 ms
@@ -34,12 +38,13 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from miles.engines.base import Completion, LoraSettings, TokenizedEngine
+from miles.engines.base import Completion, LoraSettings, TokenizedEngine, checked_stop_strings
 from miles.errors import EngineError
 from miles.rl.sampling import SamplingParams, process_logits
 
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 ADAPTER_CONFIG = "adapter_config.json"
+STOP_TAIL_SLACK = 4  # extra tail tokens decoded for a stop check (tokens that decode to "")
 
 
 class HFEngine(TokenizedEngine):
@@ -75,8 +80,10 @@ class HFEngine(TokenizedEngine):
         return self.tokens_generated / self.generate_seconds if self.generate_seconds else 0.0
 
     def generate(self, prompts: list[list[int]], params: SamplingParams, *,
-                 seed: int | None = None) -> list[list[Completion]]:
+                 seed: int | None = None,
+                 stop_strings: tuple[str, ...] = ()) -> list[list[Completion]]:
         self._check_prompts(prompts)
+        stops = StopStrings(self.tokenizer, checked_stop_strings(stop_strings))
         if not prompts:
             return []
         with self._lock:
@@ -87,10 +94,10 @@ class HFEngine(TokenizedEngine):
             else:
                 generator.manual_seed(seed)
             with torch.inference_mode():
-                tokens, logprobs, lengths = sample_rows(
+                tokens, logprobs, lengths, string_stops = sample_rows(
                     self.model, [list(p) for p in prompts], params, pad_token_id=self._pad_token_id,
-                    eos_token_id=self._eos_token_id, generator=generator)
-            completions = self._completions(tokens, logprobs, lengths)
+                    eos_token_id=self._eos_token_id, generator=generator, stops=stops)
+            completions = self._completions(tokens, logprobs, lengths, string_stops)
             self.tokens_generated += int(lengths.sum())
             self.generate_seconds += time.perf_counter() - start
         return [completions[i * params.n:(i + 1) * params.n] for i in range(len(prompts))]
@@ -123,17 +130,20 @@ class HFEngine(TokenizedEngine):
                 self.model.load_state_dict(state, strict=False)
             self._policy_version = policy_version
 
-    def _completions(self, tokens: torch.Tensor, logprobs: torch.Tensor,
-                     lengths: np.ndarray) -> list[Completion]:
+    def _completions(self, tokens: torch.Tensor, logprobs: torch.Tensor, lengths: np.ndarray,
+                     string_stops: np.ndarray) -> list[Completion]:
         tokens_np = tokens.cpu().numpy().astype(np.int32)  # [B, S]
         logprobs_np = logprobs.cpu().numpy().astype(np.float32)  # [B, S]
         out = []
         for row, length in enumerate(lengths.tolist()):
             ids = tokens_np[row, :length]
-            stopped = length > 0 and ids[-1] == self._eos_token_id
+            reason = "length"
+            if length > 0 and ids[-1] == self._eos_token_id:
+                reason = "stop"
+            elif string_stops[row]:
+                reason = "stop_string"
             out.append(Completion(token_ids=ids.copy(), logprobs=logprobs_np[row, :length].copy(),
-                                  finish_reason="stop" if stopped else "length",
-                                  policy_version=self._policy_version))
+                                  finish_reason=reason, policy_version=self._policy_version))
         return out
 
 
@@ -185,14 +195,40 @@ def prefill(model: torch.nn.Module, prompts: list[list[int]], n: int, *, pad_tok
             positions[:, -1:].repeat_interleave(n, dim=0), cache)
 
 
+class StopStrings:
+    """Which rows' responses reached a stop string, found by decoding only each row's tail."""
+
+    def __init__(self, tokenizer, strings: tuple[str, ...]):
+        self.tokenizer, self.strings = tokenizer, strings
+        self.window = max(map(len, strings), default=0) + STOP_TAIL_SLACK  # tail tokens decoded
+
+    def __bool__(self) -> bool:
+        return bool(self.strings)
+
+    def hits(self, tokens: torch.Tensor, step: int, rows: torch.Tensor) -> list[int]:
+        """The rows among `rows` ([B] bool) whose response `tokens[row, :step + 1]` ([B, S])
+        contains a stop string; only the last `window` tokens are decoded, which suffices since
+        a row is checked after every token (a stop string first appears at its newest one)."""
+        candidates = rows.nonzero().flatten().tolist()
+        if not candidates:
+            return []
+        tails = tokens[candidates, max(0, step + 1 - self.window):step + 1].tolist()
+        return [row for row, tail in zip(candidates, tails)
+                if any(s in self.tokenizer.decode(tail, skip_special_tokens=True)
+                       for s in self.strings)]
+
+
 def sample_rows(model: torch.nn.Module, prompts: list[list[int]], params: SamplingParams, *,
-                pad_token_id: int, eos_token_id: int,
-                generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, np.ndarray]:
-    """Sample `params.n` responses per prompt; returns tokens [B, S], logprobs [B, S], lengths [B].
+                pad_token_id: int, eos_token_id: int, generator: torch.Generator,
+                stops: StopStrings | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor, np.ndarray, np.ndarray]:
+    """Sample `params.n` responses per prompt; returns tokens [B, S], logprobs [B, S], lengths
+    [B] and whether a stop string ended each row [B].
 
     Rows are prompt-major (B = len(prompts) * n). A row's response is `tokens[row, :length]`; it
-    ends with EOS iff EOS was sampled. Each prompt is prefilled once and its KV cache repeated n
-    times, which computes exactly what n identical rows would.
+    ends with EOS iff EOS was sampled, and after the token that completed a stop string of
+    `stops` otherwise. Each prompt is prefilled once and its KV cache repeated n times, which
+    computes exactly what n identical rows would.
     """
     device, cache_name = next(model.parameters()).device, cache_argument(model)
     logits, mask, positions, cache = prefill(model, prompts, params.n, pad_token_id=pad_token_id,
@@ -202,12 +238,16 @@ def sample_rows(model: torch.nn.Module, prompts: list[list[int]], params: Sampli
     logprobs = torch.zeros((batch, steps), dtype=torch.float32, device=device)  # [B, S]
     lengths = torch.full((batch,), steps, dtype=torch.long, device=device)  # [B]
     finished = torch.zeros(batch, dtype=torch.bool, device=device)  # [B]
+    string_stops = np.zeros(batch, dtype=bool)  # [B]
     for step in range(steps):
         next_tokens, next_logprobs = sample_next(logits, params, generator)  # [B], [B]
         tokens[:, step], logprobs[:, step] = next_tokens, next_logprobs
-        stops = ~finished & (next_tokens == eos_token_id)  # [B]
-        lengths[stops] = step + 1
-        finished |= stops
+        ended = ~finished & (next_tokens == eos_token_id)  # [B]
+        lengths[ended] = step + 1
+        finished |= ended
+        if stops:
+            for row in stops.hits(tokens, step, ~finished):
+                lengths[row], finished[row], string_stops[row] = step + 1, True, True
         if step == steps - 1 or bool(finished.all()):
             break
         mask = torch.cat([mask, mask.new_ones((batch, 1))], dim=-1)  # [B, L + step + 1]
@@ -215,7 +255,7 @@ def sample_rows(model: torch.nn.Module, prompts: list[list[int]], params: Sampli
         out = model(input_ids=next_tokens[:, None], attention_mask=mask, position_ids=positions,
                     use_cache=True, logits_to_keep=1, **{cache_name: cache})
         logits = out.logits[:, -1]  # [B, V]
-    return tokens, logprobs, lengths.cpu().numpy()
+    return tokens, logprobs, lengths.cpu().numpy(), string_stops
 
 
 def cache_argument(model: torch.nn.Module) -> str:

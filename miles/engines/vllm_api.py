@@ -16,8 +16,14 @@ prompt-major order, ids in [0, vocab_size), one finite logprob in (-9999, 0] per
 -inf as -9999.0, and a sampled token of the processed distribution is never -inf), finish reason
 "stop" or "length". A reply that hits max_tokens on EOS is "stop" (vLLM checks the length
 first), as in the HF engine; a "stop" on another stop token of the server (`stop_reason` is that
-token, e.g. an extra EOS from the model's generation_config) counts as EOS; "abort", "error" and
+token, e.g. an extra EOS from the model's generation_config) counts as EOS; a "stop" whose
+`stop_reason` is one of the request's stop strings is "stop_string"; "abort", "error" and
 anything else fail the call (the engine contract has no partial responses).
+
+Stop strings (`generate(..., stop_strings=)`) go as the API's `stop` with
+`include_stop_str_in_output=True`, so the string stays in the output; the token ids are vLLM's
+sampled ids, which it never cuts (a token that completes a stop string is kept whole, as in the
+HF engine). vLLM checks stop strings on the detokenized text, so only such requests need it.
 
 vLLM source read for this module (vllm-project/vllm, path @ commit):
 - vllm/entrypoints/openai/completion/protocol.py @ 002032ee2b18: `CompletionRequest` (prompt as
@@ -81,8 +87,17 @@ def sampling_values(params: SamplingParams, vocab_size: int) -> dict[str, Any]:
             **NEUTRAL_SAMPLING, "logprobs": 0}
 
 
+def stop_values(stop_strings: tuple[str, ...]) -> dict[str, Any]:
+    """The request fields that stop at `stop_strings` and keep them in the output ({} if none:
+    such requests stay exactly as before)."""
+    if not stop_strings:
+        return {}
+    return {"stop": list(stop_strings), "include_stop_str_in_output": True}
+
+
 def completion_request(prompts: list[list[int]], params: SamplingParams, *, model: str,
-                       vocab_size: int, seed: int | None = None) -> dict[str, Any]:
+                       vocab_size: int, seed: int | None = None,
+                       stop_strings: tuple[str, ...] = ()) -> dict[str, Any]:
     """The `/v1/completions` body sampling `params` from `process_logits`' distribution.
 
     Every sampling value is sent, so none falls back to the server's generation-config defaults;
@@ -90,8 +105,8 @@ def completion_request(prompts: list[list[int]], params: SamplingParams, *, mode
     """
     body: dict[str, Any] = {
         "model": model, "prompt": [list(map(int, p)) for p in prompts],
-        **sampling_values(params, vocab_size), "return_tokens_as_token_ids": True,
-        "return_token_ids": True, "stream": False}
+        **sampling_values(params, vocab_size), **stop_values(stop_strings),
+        "return_tokens_as_token_ids": True, "return_token_ids": True, "stream": False}
     if seed is not None:
         body["seed"] = seed
     return body
@@ -142,7 +157,8 @@ def pick_base_model(cards: list[dict[str, Any]], model: str) -> str:
 
 
 def parse_completions(reply: Any, *, n_prompts: int, n: int, vocab_size: int, eos_token_id: int,
-                      policy_version: int) -> list[list[Completion]]:
+                      policy_version: int,
+                      stop_strings: tuple[str, ...] = ()) -> list[list[Completion]]:
     """`n` completions per prompt, in prompt order, from a `/v1/completions` reply."""
     choices = reply.get("choices") if isinstance(reply, dict) else None
     if not isinstance(choices, list):
@@ -150,12 +166,13 @@ def parse_completions(reply: Any, *, n_prompts: int, n: int, vocab_size: int, eo
     if len(choices) != n_prompts * n:
         raise EngineError(f"expected {n_prompts} x {n} choices, the server returned {len(choices)}")
     out = [parse_choice(c, k, vocab_size=vocab_size, eos_token_id=eos_token_id,
-                        policy_version=policy_version) for k, c in enumerate(choices)]
+                        policy_version=policy_version, stop_strings=stop_strings)
+           for k, c in enumerate(choices)]
     return [out[i * n:(i + 1) * n] for i in range(n_prompts)]
 
 
 def parse_choice(choice: Any, k: int, *, vocab_size: int, eos_token_id: int,
-                 policy_version: int) -> Completion:
+                 policy_version: int, stop_strings: tuple[str, ...] = ()) -> Completion:
     """One choice as a `Completion`; `k` is its position (vLLM's `index`)."""
     where = f"choice {k}"
     if not isinstance(choice, dict) or choice.get("index", k) != k:
@@ -166,11 +183,13 @@ def parse_choice(choice: Any, k: int, *, vocab_size: int, eos_token_id: int,
     return build_completion(
         _token_ids(choice, logprobs, where), logprobs["token_logprobs"],
         reason=choice.get("finish_reason"), stop_reason=choice.get("stop_reason"), where=where,
-        vocab_size=vocab_size, eos_token_id=eos_token_id, policy_version=policy_version)
+        vocab_size=vocab_size, eos_token_id=eos_token_id, policy_version=policy_version,
+        stop_strings=stop_strings)
 
 
 def build_completion(ids: list, values: list, *, reason: Any, stop_reason: Any, where: str,
-                     vocab_size: int, eos_token_id: int, policy_version: int) -> Completion:
+                     vocab_size: int, eos_token_id: int, policy_version: int,
+                     stop_strings: tuple[str, ...] = ()) -> Completion:
     """A `Completion` from the sampled ids and their logprobs as vLLM reports them (over HTTP
     or in process), after checking every id and value; `where` names it in errors."""
     if not ids:
@@ -189,7 +208,7 @@ def build_completion(ids: list, values: list, *, reason: Any, stop_reason: Any, 
     return Completion(token_ids=np.asarray(ids, dtype=np.int32),
                       logprobs=np.minimum(np.asarray(values, dtype=np.float32), 0.0),
                       finish_reason=map_finish_reason(reason, stop_reason, ids, eos_token_id,
-                                                      where),
+                                                      where, stop_strings),
                       policy_version=policy_version)
 
 
@@ -216,14 +235,17 @@ def _token_ids(choice: dict, logprobs: dict, where: str) -> list:
 
 
 def map_finish_reason(reason: Any, stop_reason: Any, ids: list[int], eos_token_id: int,
-                      where: str) -> str:
+                      where: str, stop_strings: tuple[str, ...] = ()) -> str:
     """The contract's finish reason of vLLM's `finish_reason` and `stop_reason`: "length"
-    ending on EOS is "stop" (vLLM checks the length first); "stop" must end on EOS or on the
-    stop token that `stop_reason` names."""
+    ending on EOS is "stop" (vLLM checks the length first); "stop" must end on EOS, on the
+    stop token that `stop_reason` names, or on one of the request's `stop_strings`
+    ("stop_string")."""
     if reason == "length":
         return "stop" if ids[-1] == eos_token_id else "length"
     if reason == "stop" and (ids[-1] == eos_token_id or stop_reason == ids[-1]):
         return "stop"
+    if reason == "stop" and isinstance(stop_reason, str) and stop_reason in stop_strings:
+        return "stop_string"
     if reason == "stop":
         raise EngineError(f"{where}: stopped on {stop_reason!r}, not on EOS or a stop token")
     raise EngineError(f"{where}: vLLM finished it with {reason!r} (aborted or failed)")

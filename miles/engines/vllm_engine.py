@@ -12,7 +12,10 @@ built with `logprobs_mode="processed_logprobs"`; `ignore_eos=True` with `stop_to
 so the tokenizer's EOS and nothing else ends a response, kept as its last token (without
 ignore_eos, vLLM makes the extra EOS ids of the model's generation_config.json stop tokens, even
 under `generation_config="vllm"`, which only drops that file's default sampling values);
-`detokenize=False` (the producer decodes itself, and the logprobs carry no token texts);
+`detokenize=False` (the producer decodes itself, and the logprobs carry no token texts),
+except for a request with stop strings: vLLM matches those on the detokenized text, so such a
+request detokenizes and carries `stop` with `include_stop_str_in_output=True`
+(`vllm_api.stop_values`; a "stop" on one of them is "stop_string");
 `output_kind=FINAL_ONLY` (one output per prompt, its n samples in index order).
 
 Versions. Each LoRA version is added as a new adapter (`add_lora`, a fresh `lora_int_id`, named
@@ -84,8 +87,8 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-from miles.engines.base import Completion, LoraSettings, TokenizedEngine
-from miles.engines.vllm_api import adapter_name, build_completion, sampling_values
+from miles.engines.base import Completion, LoraSettings, TokenizedEngine, checked_stop_strings
+from miles.engines.vllm_api import adapter_name, build_completion, sampling_values, stop_values
 from miles.engines.vllm_server import ADAPTER_FILES, load_tokenizer
 from miles.errors import ConfigError, EngineError, MilesError
 from miles.rl.sampling import SamplingParams
@@ -196,17 +199,20 @@ def engine_args(model_dir: str | Path, settings: VLLMEngineSettings, lora_rank: 
 
 
 def request_values(params: SamplingParams, *, vocab_size: int, eos_token_id: int,
-                   seed: int | None = None) -> dict[str, Any]:
+                   seed: int | None = None,
+                   stop_strings: tuple[str, ...] = ()) -> dict[str, Any]:
     """The keyword arguments of vLLM's `SamplingParams` for one prompt (see the docstring)."""
     values = {**sampling_values(params, vocab_size), "ignore_eos": True,
-              "stop_token_ids": [eos_token_id], "detokenize": False}
+              "stop_token_ids": [eos_token_id], "detokenize": bool(stop_strings),
+              **stop_values(stop_strings)}
     if seed is not None:
         values["seed"] = seed
     return values
 
 
 def parse_request_output(output: Any, *, n: int, vocab_size: int, eos_token_id: int,
-                         policy_version: int, where: str) -> list[Completion]:
+                         policy_version: int, where: str,
+                         stop_strings: tuple[str, ...] = ()) -> list[Completion]:
     """The n Completions of one finished vLLM `RequestOutput`, checked."""
     samples = getattr(output, "outputs", None)
     if not getattr(output, "finished", False) or not isinstance(samples, list):
@@ -214,12 +220,14 @@ def parse_request_output(output: Any, *, n: int, vocab_size: int, eos_token_id: 
     if len(samples) != n:
         raise EngineError(f"{where}: expected {n} samples, vLLM returned {len(samples)}")
     return [parse_completion_output(s, k, vocab_size=vocab_size, eos_token_id=eos_token_id,
-                                    policy_version=policy_version, where=f"{where} sample {k}")
+                                    policy_version=policy_version, where=f"{where} sample {k}",
+                                    stop_strings=stop_strings)
             for k, s in enumerate(samples)]
 
 
 def parse_completion_output(sample: Any, k: int, *, vocab_size: int, eos_token_id: int,
-                            policy_version: int, where: str) -> Completion:
+                            policy_version: int, where: str,
+                            stop_strings: tuple[str, ...] = ()) -> Completion:
     """One `CompletionOutput` (sample `k` of its request) as a `Completion`."""
     if getattr(sample, "index", None) != k:
         raise EngineError(f"{where}: has index {getattr(sample, 'index', None)!r}")
@@ -236,7 +244,8 @@ def parse_completion_output(sample: Any, k: int, *, vocab_size: int, eos_token_i
         values.append(getattr(logprob, "logprob", None))
     return build_completion(ids, values, reason=sample.finish_reason,
                             stop_reason=sample.stop_reason, where=where, vocab_size=vocab_size,
-                            eos_token_id=eos_token_id, policy_version=policy_version)
+                            eos_token_id=eos_token_id, policy_version=policy_version,
+                            stop_strings=stop_strings)
 
 
 def check_adapter(adapter_dir: Path, max_rank: int) -> None:
@@ -425,14 +434,16 @@ class VLLMEngine(TokenizedEngine):
         return self._versions.current.policy_version
 
     def generate(self, prompts: list[list[int]], params: SamplingParams, *,
-                 seed: int | None = None) -> list[list[Completion]]:
+                 seed: int | None = None,
+                 stop_strings: tuple[str, ...] = ()) -> list[list[Completion]]:
         self._check_prompts(prompts)
+        stops = checked_stop_strings(stop_strings)
         if not prompts:
             return []
         seeded = self.settings.seeded and seed is not None
         values = [request_values(params, vocab_size=self._vocab_size,
                                  eos_token_id=self._eos_token_id,
-                                 seed=seed + i * params.n if seeded else None)
+                                 seed=seed + i * params.n if seeded else None, stop_strings=stops)
                   for i in range(len(prompts))]
         with self._generate_lock:
             if self._broken:
@@ -444,7 +455,8 @@ class VLLMEngine(TokenizedEngine):
                 self._remove_adapters(self._versions.release(served))
         return [parse_request_output(output, n=params.n, vocab_size=self._vocab_size,
                                      eos_token_id=self._eos_token_id,
-                                     policy_version=served.policy_version, where=f"prompt {i}")
+                                     policy_version=served.policy_version, where=f"prompt {i}",
+                                     stop_strings=stops)
                 for i, output in enumerate(outputs)]
 
     def warm_up(self) -> None:

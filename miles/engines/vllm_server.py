@@ -60,7 +60,7 @@ from http.client import HTTPException
 from pathlib import Path
 from typing import Any, Callable
 
-from miles.engines.base import Completion, TokenizedEngine
+from miles.engines.base import Completion, TokenizedEngine, checked_stop_strings
 from miles.engines.vllm_api import (ERROR_TEXT_CHARS, adapter_name, check_processed_logprobs,
                                     completion_request, error_message, parse_completions,
                                     parse_model_cards, pick_base_model, probe_request)
@@ -158,19 +158,21 @@ class VLLMServerEngine(TokenizedEngine):
         return self._served
 
     def generate(self, prompts: list[list[int]], params: SamplingParams, *,
-                 seed: int | None = None) -> list[list[Completion]]:
+                 seed: int | None = None,
+                 stop_strings: tuple[str, ...] = ()) -> list[list[Completion]]:
         self._check_prompts(prompts)
+        stops = checked_stop_strings(stop_strings)
         if not prompts:
             return []
         with self._lock:
             model, version = self._served, self._policy_version
             if self.seeded and seed is not None:
                 bodies = [completion_request([p], params, model=model, vocab_size=self._vocab_size,
-                                             seed=seed + i * params.n)
+                                             seed=seed + i * params.n, stop_strings=stops)
                           for i, p in enumerate(prompts)]
             else:
                 bodies = [completion_request(prompts, params, model=model,
-                                             vocab_size=self._vocab_size)]
+                                             vocab_size=self._vocab_size, stop_strings=stops)]
             calls = [("POST", "/v1/completions", b) for b in bodies]
             try:
                 replies = self._exchange(calls)
@@ -183,7 +185,8 @@ class VLLMServerEngine(TokenizedEngine):
         for body, reply in zip(bodies, replies):
             groups += parse_completions(reply, n_prompts=len(body["prompt"]), n=params.n,
                                         vocab_size=self._vocab_size,
-                                        eos_token_id=self._eos_token_id, policy_version=version)
+                                        eos_token_id=self._eos_token_id, policy_version=version,
+                                        stop_strings=stops)
         return groups
 
     def load_adapter(self, adapter_dir: Path, policy_version: int, *,

@@ -7,7 +7,10 @@ the same path a real checkpoint takes.
 
 The tokenizer is one token per character over a small alphabet (digits, arithmetic signs, letters,
 punctuation), so arithmetic answers are short and every string of the task has exactly one
-tokenization.
+tokenization. `chat=True` adds the characters of tags (`<`, `>`, `_`, newline) and a real chat
+template (`CHAT_TEMPLATE`, Jinja, saved with the tokenizer like any checkpoint's): each message is
+`<role>content`, an assistant's closed by EOS, then a newline; the generation prompt is
+`<assistant>`. The vocabulary of the plain tokenizer (78 tokens) is unchanged.
 """
 
 from __future__ import annotations
@@ -17,33 +20,48 @@ from pathlib import Path
 
 SPECIAL_TOKENS = {"pad": "<pad>", "bos": "<s>", "eos": "</s>", "unk": "<unk>"}
 ALPHABET = string.digits + "+-*/=()., ?:" + string.ascii_letters
+CHAT_CHARACTERS = "<>_\n"  # added by chat=True, after ALPHABET (so the other ids stay)
+CHAT_TEMPLATE = (
+    "{%- for message in messages -%}"
+    "{{- '<' + message['role'] + '>' + message['content'] -}}"
+    "{%- if message['role'] == 'assistant' -%}{{- eos_token -}}{%- endif -%}"
+    "{{- '\n' -}}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{- '<assistant>' -}}{%- endif -%}")
 
 
-def build_char_tokenizer():
-    """A `PreTrainedTokenizerFast` with one token per character of `ALPHABET`."""
+def build_char_tokenizer(*, chat: bool = False, chat_template: str = CHAT_TEMPLATE):
+    """A `PreTrainedTokenizerFast` with one token per character of `ALPHABET` (and, with
+    `chat`, of `CHAT_CHARACTERS`, and `chat_template` as its chat template)."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    vocab = {token: i for i, token in enumerate([*SPECIAL_TOKENS.values(), *ALPHABET])}
+    characters = ALPHABET + (CHAT_CHARACTERS if chat else "")
+    vocab = {token: i for i, token in enumerate([*SPECIAL_TOKENS.values(), *characters])}
     core = Tokenizer(models.WordLevel(vocab, unk_token=SPECIAL_TOKENS["unk"]))
-    core.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    any_character = "(?m)." if chat else "."  # Oniguruma's (?m): "." matches a newline too
+    core.pre_tokenizer = pre_tokenizers.Split(Regex(any_character), behavior="isolated")
     core.decoder = decoders.Fuse()
-    return PreTrainedTokenizerFast(
+    tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=core, bos_token=SPECIAL_TOKENS["bos"], eos_token=SPECIAL_TOKENS["eos"],
         pad_token=SPECIAL_TOKENS["pad"], unk_token=SPECIAL_TOKENS["unk"])
+    if chat:
+        tokenizer.chat_template = chat_template
+    return tokenizer
 
 
 def build_tiny_model(out_dir: str | Path, *, arch: str = "llama", hidden_size: int = 128,
                      layers: int = 4, heads: int = 4, kv_heads: int = 2,
-                     max_positions: int = 64, seed: int = 0, tied: bool = True) -> Path:
+                     max_positions: int = 64, seed: int = 0, tied: bool = True,
+                     chat: bool = False) -> Path:
     """Write a freshly initialised tiny causal LM and its tokenizer to `out_dir` (`tied`: the
-    LM head shares the input embeddings)."""
+    LM head shares the input embeddings; `chat`: the chat tokenizer and template)."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
     if arch not in ("llama", "qwen2"):
         raise ValueError(f"arch must be 'llama' or 'qwen2', got {arch!r}")
-    tokenizer = build_char_tokenizer()
+    tokenizer = build_char_tokenizer(chat=chat)
     config = AutoConfig.for_model(
         arch, vocab_size=len(tokenizer), hidden_size=hidden_size,
         intermediate_size=hidden_size * 4, num_hidden_layers=layers,

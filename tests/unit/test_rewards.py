@@ -309,7 +309,8 @@ async def test_the_producer_scores_a_group_with_one_call_and_records_errors():
                        for ids, finish in (([0, 1, 2], "stop"), ([1, 0], "length"),
                                            ([2, 2, 2], "stop"))]
         task = make_prompt_task(prompt="P", reference="ab")
-        group = await worker._group(task, [5, 6], completions, generate_s=1.0)
+        worker.groups.generate_s = 1.0  # the batch's engine time
+        group = await worker.groups._group(task, [5, 6], completions, sequence=1)
     finally:
         worker._executor.shutdown()
     assert calls == [(["ab", "ba", "cc"], ["ab"] * 3, ["P"] * 3)], "cut at EOS, one call"

@@ -339,6 +339,14 @@ def test_bad_outputs_raise(case):
     assert message in str(info.value)
 
 
+def test_requests_with_stop_strings_detokenize_and_keep_the_string():
+    plain = request_values(PARAMS, vocab_size=VOCAB, eos_token_id=EOS)
+    values = request_values(PARAMS, vocab_size=VOCAB, eos_token_id=EOS,
+                            stop_strings=("</tool>",))
+    assert values == {**plain, "detokenize": True, "stop": ["</tool>"],
+                      "include_stop_str_in_output": True}
+
+
 # -- the engine -----------------------------------------------------------------------------------
 
 def test_generate_submits_every_prompt_and_groups_by_prompt(make_engine):
@@ -361,6 +369,34 @@ def test_generate_submits_every_prompt_and_groups_by_prompt(make_engine):
     for bad in ([[]], [[1, VOCAB]]):
         with pytest.raises(EngineError, match="prompt 0"):
             engine.generate(bad, PARAMS)
+
+
+def stopped_on(text: str):
+    """A reply whose samples stop on the stop string `text` (vLLM's stop_reason is the string)."""
+    def reply(ids, params):
+        output = sampled(ids, params.values["n"])
+        for sample in output.outputs:
+            sample.token_ids, sample.stop_reason = sample.token_ids[:1], text
+            sample.logprobs = sample.logprobs[:1]
+        return output
+    return reply
+
+
+def test_generate_with_stop_strings(make_engine):
+    engine, llm = make_engine()
+    llm.reply = stopped_on("</tool>")
+    groups = engine.generate(PROMPTS, PARAMS, stop_strings=("</tool>",))
+    assert all(values["stop"] == ["</tool>"] and values["detokenize"]
+               for _, values, _ in llm.requests[1:])
+    assert {c.finish_reason for g in groups for c in g} == {"stop_string"}
+    assert [c.token_ids.tolist() for c in groups[0]] == [[PROMPTS[0][0]], [PROMPTS[0][0] + 1]]
+    with pytest.raises(EngineError, match="stopped on '</tool>'"):  # a string it did not ask for
+        engine.generate(PROMPTS, PARAMS)
+    with pytest.raises(EngineError, match="stop_strings"):
+        engine.generate(PROMPTS, PARAMS, stop_strings=("",))
+    llm.reply = lambda ids, params: sampled(ids, params.values["n"])
+    engine.generate(PROMPTS, PARAMS)
+    assert llm.requests[-1][1]["detokenize"] is False and "stop" not in llm.requests[-1][1]
 
 
 def test_seeded_generate_gives_every_sample_its_own_seed(make_engine):

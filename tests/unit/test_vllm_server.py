@@ -226,6 +226,13 @@ def test_bad_replies_raise(case):
     assert message in str(info.value)
 
 
+def test_a_stop_on_a_requested_stop_string_is_stop_string():
+    reply = mutate("choices.3.stop_reason", "</tool>")(recorded("completion_2x2.json"))
+    assert parse(reply, stop_strings=("</tool>",))[1][1].finish_reason == "stop_string"
+    with pytest.raises(EngineError, match="stopped on '</tool>'"):  # not one it asked for
+        parse(reply, stop_strings=("</tool_call>",))
+
+
 @pytest.mark.parametrize("n_prompts, n", [(1, 2), (2, 1), (3, 2)])
 def test_choice_count_must_be_prompts_times_n(n_prompts, n):
     with pytest.raises(EngineError, match=f"expected {n_prompts} x {n} choices"):
@@ -289,6 +296,24 @@ def test_generate_sends_one_request_and_groups_by_prompt(fake, tokenizer_dir):
     assert {c.policy_version for g in groups for c in g} == {0}
     assert engine.decode(groups[0][0].token_ids) == "42"
     assert engine.encode("2+2=") == PROMPTS[0]
+
+
+def test_stop_strings_go_as_stop_and_stay_in_the_output(fake, tokenizer_dir):
+    body = completion_request(PROMPTS, PARAMS, model="tiny", vocab_size=VOCAB,
+                              stop_strings=("</tool>", "\n"))
+    plain = completion_request(PROMPTS, PARAMS, model="tiny", vocab_size=VOCAB)
+    assert body == {**plain, "stop": ["</tool>", "\n"], "include_stop_str_in_output": True}
+    reply = mutate("choices.3.stop_reason", "</tool>")(recorded("completion_2x2.json"))
+    fake.route("POST", "/v1/completions", reply, recorded("completion_2x2.json"))
+    engine = engine_for(fake, tokenizer_dir)
+    groups = engine.generate(PROMPTS, PARAMS, stop_strings=("</tool>", "\n"))
+    assert fake.posted("/v1/completions")[-1] == body
+    assert [c.finish_reason for g in groups for c in g] == ["stop", "length", "stop",
+                                                            "stop_string"]
+    engine.generate(PROMPTS, PARAMS)  # without stop strings the body is as before
+    assert fake.posted("/v1/completions")[-1] == plain
+    with pytest.raises(EngineError, match="stop_strings"):
+        engine.generate(PROMPTS, PARAMS, stop_strings="</tool>")
 
 
 def test_seeded_generate_sends_one_request_per_prompt(fake, tokenizer_dir):

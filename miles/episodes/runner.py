@@ -1,0 +1,259 @@
+"""The episode runner: n episodes per prompt, many at once, their turns batched into the engine.
+
+Each episode is a straight-line coroutine: build the environment, `reset`, then per turn ask for
+a completion, `step` the environment with it, append the observation's ids (`Renderer`), until a
+`Step` is done or a limit truncates the episode; `close` always runs. Scheduling: a round takes
+every episode that is waiting for its next turn and generates them in one engine call (in the
+engine's thread, `generate_in_engine`); environment calls run meanwhile as asyncio tasks, so an
+episode whose environment is slow simply misses this round and joins a later one, and nobody
+waits for it. Every environment call (`reset`, `step`, `close`) is bounded by
+`env_step_timeout_s`.
+
+Failures: an environment that raises or times out, a chat template that breaks the prefix
+rule (`EpisodeError`) or a malformed task fail that episode only: it is recorded with its
+reason (`EpisodeRecord.failure`, "kind: message"; the sample's `error`, finish reason "abort"
+and `episode["failed"]`) and the producer never publishes it for training. An `EngineError`
+fails the whole batch (the producer retries it), after every environment is closed.
+
+Limits (`EpisodeSettings`): a turn samples at most `sampling.max_new_tokens` and never past
+`max_total_tokens` for the episode; after `max_turns` turns, an observation longer than
+`max_observation_tokens`, or one that would reach `max_total_tokens`, the episode ends
+truncated (finish reason "length", `episode["truncated"]` names the limit), without that
+observation: truncating an observation would show the model something the environment never
+said (and cut a chat template's markup in half). A last turn cut by its token budget is
+"length" too. One engine call uses the largest budget of its rows; a row past its own budget
+is cut there, which keeps a valid sample of the shorter budget.
+
+Simplification: the engine generates n=1 per row; the n episodes of a prompt are n rows (the
+HF engine then computes the same tokens as n samples of one prompt, without sharing the
+prefill).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+from miles.engines.base import Completion, RolloutEngine
+from miles.envs import (INFO_ERROR, INFO_TOOL_CALLS, INFO_TOOL_ERRORS, Action, Environment,
+                        EnvironmentFactory, SingleTurn, Step)
+from miles.episodes.rendering import Context, Renderer, task_of
+from miles.episodes.samples import EpisodeRecord, Turn
+from miles.errors import ConfigError, EpisodeError
+from miles.protocol import PromptTask
+from miles.rl.sampling import SamplingParams
+
+GenerateFn = Callable[..., Awaitable[list[list[Completion]]]]
+
+
+@dataclass(frozen=True, kw_only=True)
+class EpisodeSettings:
+    """Limits and timeouts of the producer's episodes (used when `env` is set)."""
+
+    max_turns: int = 8  # model turns per episode; then it ends truncated ("max_turns")
+    max_total_tokens: int = 256  # tokens after the first prompt (policy + observations)
+    max_observation_tokens: int = 128  # ids one observation may add; more ends the episode
+    env_step_timeout_s: float = 30.0  # bound on each reset, step and close of an environment
+    max_concurrent: int = 0  # episodes running at once (0: every episode of the batch)
+
+    def __post_init__(self) -> None:
+        for name in ("max_turns", "max_total_tokens", "max_observation_tokens"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"episodes.{name} must be >= 1, got {getattr(self, name)}")
+        if not self.env_step_timeout_s > 0:
+            raise ConfigError(f"episodes.env_step_timeout_s must be > 0, got "
+                              f"{self.env_step_timeout_s}")
+        if self.max_concurrent < 0:
+            raise ConfigError(f"episodes.max_concurrent must be >= 0, got {self.max_concurrent}")
+
+
+@dataclass
+class _Request:
+    prompt: list[int]
+    budget: int
+    stop_strings: tuple[str, ...]
+    future: asyncio.Future
+
+
+class EpisodeRunner:
+    """Runs the episodes of a batch of prompts (see the module docstring)."""
+
+    def __init__(self, engine: RolloutEngine, factory: EnvironmentFactory,
+                 settings: EpisodeSettings, sampling: SamplingParams, *,
+                 generate_in_engine: GenerateFn):
+        self.engine, self.factory, self.settings = engine, factory, settings
+        self.sampling = sampling
+        self.generate_in_engine = generate_in_engine
+        self.renderer = Renderer(engine)
+        self.rounds = 0  # engine calls made
+        self._requests: list[_Request] = []
+        self._wake = asyncio.Event()
+
+    async def run(self, prompts: list[tuple[PromptTask, list[int]]],
+                  seed: int) -> list[list[EpisodeRecord]]:
+        """`sampling.n` episodes per prompt (with its token ids); their records, prompt by
+        prompt. EngineError if the engine fails (every environment is closed first)."""
+        limit = asyncio.Semaphore(self.settings.max_concurrent or len(prompts) * self.sampling.n)
+        tasks = [asyncio.create_task(self._episode(i, task, ids, limit))
+                 for i, (task, ids) in enumerate(prompts) for _ in range(self.sampling.n)]
+        try:
+            await self._schedule(tasks, seed)
+        except BaseException:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            raise
+        records = [task.result() for task in tasks]
+        n = self.sampling.n
+        return [records[i * n:(i + 1) * n] for i in range(len(prompts))]
+
+    # -- scheduling ---------------------------------------------------------------------------
+
+    async def _schedule(self, tasks: list[asyncio.Task], seed: int) -> None:
+        """Rounds until every episode is over: each round generates the next turn of every
+        episode waiting for one, in one engine call."""
+        while True:
+            for task in tasks:
+                if task.done() and task.exception() is not None:
+                    raise task.exception()  # a programming error: crash loudly
+            running = [task for task in tasks if not task.done()]
+            if not running:
+                return
+            self._wake.clear()
+            if self._requests:
+                requests, self._requests = self._requests, []
+                await self._round(requests, seed + self.rounds)
+                continue
+            waker = asyncio.ensure_future(self._wake.wait())
+            try:
+                await asyncio.wait([*running, waker], return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                waker.cancel()
+
+    async def _round(self, requests: list[_Request], seed: int) -> None:
+        """One engine call per distinct set of stop strings among `requests` (one, when every
+        environment of the factory has the class's); each row cut to its own budget."""
+        self.rounds += 1
+        by_stops: dict[tuple[str, ...], list[_Request]] = {}
+        for request in requests:
+            by_stops.setdefault(request.stop_strings, []).append(request)
+        for stops, rows in by_stops.items():
+            params = dataclasses.replace(self.sampling, n=1,
+                                         max_new_tokens=max(r.budget for r in rows))
+            groups = await self.generate_in_engine([r.prompt for r in rows], params, seed=seed,
+                                                   stop_strings=stops)
+            for row, (completion,) in zip(rows, groups, strict=True):
+                row.future.set_result(within_budget(completion, row.budget))
+
+    async def _next_turn(self, prompt: list[int], budget: int,
+                         stop_strings: tuple[str, ...]) -> Completion:
+        future = asyncio.get_running_loop().create_future()
+        self._requests.append(_Request(list(prompt), budget, stop_strings, future))
+        self._wake.set()
+        return await future
+
+    # -- one episode --------------------------------------------------------------------------
+
+    async def _episode(self, index: int, task: PromptTask, prompt_ids: list[int],
+                       limit: asyncio.Semaphore) -> EpisodeRecord:
+        record = EpisodeRecord(task_index=index)
+        async with limit:
+            env: Environment | None = None
+            try:
+                env = await self._env_call(record, "build", _build(self.factory))
+                context = await self._start(record, env, task, prompt_ids)
+                await self._turns(record, env, context)
+            except EpisodeError as failure:
+                record.fail(failure.kind, str(failure))
+            finally:
+                if env is not None:
+                    await self._close(record, env)
+        return record
+
+    async def _start(self, record: EpisodeRecord, env: Environment, task: PromptTask,
+                     prompt_ids: list[int]) -> Context:
+        episode_task = task_of(task)
+        first = await self._env_call(record, "reset", env.reset(episode_task))
+        context = self.renderer.first(episode_task, first, prompt_ids)
+        record.prompt = list(context.ids)
+        return context
+
+    async def _turns(self, record: EpisodeRecord, env: Environment, context: Context) -> None:
+        limits = self.settings
+        while True:
+            budget = min(self.sampling.max_new_tokens, limits.max_total_tokens - record.length)
+            completion = await self._next_turn(context.ids, budget, env.stop_strings)
+            text = self.engine.decode(completion.token_ids)
+            context.ids += completion.token_ids.tolist()
+            turn = Turn(completion)
+            record.turns.append(turn)
+            step = await self._env_call(record, "step", env.step(
+                Action(text, completion.token_ids.tolist(), completion.finish_reason)))
+            self._take(record, turn, step)
+            if step.done:
+                if completion.finish_reason == "length":
+                    record.truncated = "max_new_tokens"
+                return
+            if len(record.turns) >= limits.max_turns:
+                record.truncated = "max_turns"
+                return
+            observation = self.renderer.extend(context, text, step.observation)
+            if len(observation) > limits.max_observation_tokens:
+                record.truncated = "max_observation_tokens"
+                return
+            if record.length + len(observation) >= limits.max_total_tokens:
+                record.truncated = "max_total_tokens"
+                return
+            turn.observation = observation
+            context.ids += observation
+
+    @staticmethod
+    def _take(record: EpisodeRecord, turn: Turn, step: Step) -> None:
+        turn.reward = step.reward
+        record.tool_calls += int(step.info.get(INFO_TOOL_CALLS, 0))
+        record.tool_errors += int(step.info.get(INFO_TOOL_ERRORS, 0))
+        if step.done and step.info.get(INFO_ERROR) is not None:
+            record.reward_error = str(step.info[INFO_ERROR])
+
+    async def _env_call(self, record: EpisodeRecord, what: str, call: Awaitable):
+        """`call` within the step timeout, its time counted; EpisodeError if it raises or times
+        out (environments are user code: any exception is theirs)."""
+        began = time.perf_counter()
+        try:
+            return await asyncio.wait_for(call, self.settings.env_step_timeout_s)
+        except TimeoutError:
+            raise EpisodeError("env_timeout", f"{what} took more than "
+                                            f"{self.settings.env_step_timeout_s} s") from None
+        except Exception as err:  # user code: recorded as the episode's failure
+            raise EpisodeError("env_error", f"{what} raised {type(err).__name__}: {err}") from None
+        finally:
+            record.env_s += time.perf_counter() - began
+
+    async def _close(self, record: EpisodeRecord, env: Environment) -> None:
+        try:
+            await self._env_call(record, "close", env.close())
+        except EpisodeError as failure:
+            record.fail(failure.kind, str(failure))
+
+
+async def _build(factory: EnvironmentFactory) -> Environment:
+    return factory()
+
+
+def within_budget(completion: Completion, budget: int) -> Completion:
+    """`completion` cut to `budget` tokens ("length"): the first `budget` tokens of a longer
+    response are what a call with that budget would have sampled."""
+    if len(completion.token_ids) <= budget:
+        return completion
+    return Completion(token_ids=completion.token_ids[:budget].copy(),
+                      logprobs=completion.logprobs[:budget].copy(), finish_reason="length",
+                      policy_version=completion.policy_version)
+
+
+def is_single_turn(factory: EnvironmentFactory) -> bool:
+    """Whether `factory` builds `SingleTurn` environments (written exactly as before)."""
+    target = getattr(factory, "func", factory)
+    return isinstance(target, type) and issubclass(target, SingleTurn)

@@ -1,0 +1,165 @@
+"""How the producer turns a batch of prompts into `TrajectoryGroup`s: single-turn or episodes.
+
+- `SingleTurnGroups` (no `env` set, the behaviour before environments): one engine call for the
+  batch (`n` completions per prompt), one `Scorer` call per group, one sample per completion.
+- `EpisodeGroups` (`env` set): `miles.episodes.EpisodeRunner` plays `n` episodes per prompt;
+  each prompt's finished episodes are its group. A failed episode (its environment raised or
+  timed out, its chat template broke the token prefix, its task was malformed) is counted by
+  kind and left out of the group: the trainer has no way yet to skip a sample (it would train
+  an "abort" sample like any other), so a failed episode never reaches it. A prompt whose
+  episodes all failed publishes no group (`producer/empty_groups`). The group's prompt is its
+  episodes' first prompt; an episode whose environment opened with another prompt (a `reset`
+  that varies) fails as `prompt_mismatch`. The group's `sampling.max_new_tokens` is the limit
+  on a sample's length T, as wire-format.md asks of episodes: `episodes.max_total_tokens`
+  (`turn_tokens` records the per-turn limit).
+
+Counters (`producer/...`): `episodes`, `turns`, `tool_calls`, `tool_errors`, `env_s`,
+`failed_episodes`, `failed/<kind>`, `truncated_episodes`, `empty_groups`.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+
+import numpy as np
+
+from miles.engines.base import Completion, RolloutEngine
+from miles.envs import EnvironmentFactory
+from miles.episodes import EpisodeRecord, EpisodeRunner, EpisodeSettings, is_single_turn
+from miles.protocol import PromptTask, Sample, TrajectoryGroup
+from miles.rl.sampling import SamplingParams
+from miles.tasks.rewards import Scored, Scorer
+
+log = logging.getLogger(__name__)
+Batch = list[tuple[PromptTask, list[int]]]
+EPISODE_COUNTERS = ("episodes", "turns", "tool_calls", "tool_errors", "env_s",
+                    "failed_episodes", "truncated_episodes", "empty_groups")
+
+
+class GroupBuilder:
+    """What both paths share: the run's identity and the group record around samples."""
+
+    def __init__(self, engine: RolloutEngine, sampling: SamplingParams, producer_id: str,
+                 counts: dict[str, float]):
+        self.engine, self.sampling, self.producer_id = engine, sampling, producer_id
+        self.counts = counts
+        self.generate_s = 0.0  # engine time of the last batch
+
+    def group(self, task: PromptTask, prompt: list[int], samples: list[Sample], sequence: int,
+              sampling: dict, timings: dict[str, float]) -> TrajectoryGroup:
+        return TrajectoryGroup(
+            group_id=f"{task.task_id}/e{task.epoch}/{self.producer_id}/{sequence}",
+            task_id=task.task_id, epoch=task.epoch,
+            prompt_token_ids=np.asarray(prompt, dtype=np.int32), samples=samples,
+            producer_id=self.producer_id, engine=self.engine.name,
+            vocab_size=self.engine.vocab_size, sampling=sampling, reference=task.reference,
+            timings=timings, created_at=time.time())
+
+
+class SingleTurnGroups(GroupBuilder):
+    """n completions per prompt, scored per group (see the module docstring)."""
+
+    def __init__(self, engine, sampling, producer_id, counts, *, scorer: Scorer,
+                 in_engine: Callable):
+        super().__init__(engine, sampling, producer_id, counts)
+        self.scorer, self.in_engine = scorer, in_engine
+
+    async def groups(self, batch: Batch, seed: int, sequence: int) -> list[TrajectoryGroup]:
+        began = time.perf_counter()
+        completions = await self.in_engine(self.engine.generate, [ids for _, ids in batch],
+                                           self.sampling, seed=seed)
+        self.generate_s = time.perf_counter() - began
+        return [await self._group(task, prompt, outs, sequence)
+                for (task, prompt), outs in zip(batch, completions)]
+
+    async def _group(self, task: PromptTask, prompt: list[int], completions: list[Completion],
+                     sequence: int) -> TrajectoryGroup:
+        began = time.perf_counter()
+        n = len(completions)
+        texts = [self.engine.decode(c.token_ids[:-1] if c.finish_reason == "stop"
+                                    else c.token_ids) for c in completions]
+        scored = await self.scorer.score(texts, [task.reference] * n, [task.prompt] * n)
+        samples = [_sample(c, s) for c, s in zip(completions, scored, strict=True)]
+        return self.group(task, prompt, samples, sequence, self.sampling.as_wire(),
+                          {"generate_s": self.generate_s,
+                           "reward_s": time.perf_counter() - began})
+
+
+def _sample(completion: Completion, scored: Scored) -> Sample:
+    ids = completion.token_ids
+    return Sample(response_token_ids=ids, logprobs=completion.logprobs,
+                  versions=np.full(len(ids), completion.policy_version, dtype=np.int32),
+                  reward=scored.reward, finish_reason=completion.finish_reason,
+                  error=scored.error)
+
+
+class EpisodeGroups(GroupBuilder):
+    """n episodes per prompt through an environment (see the module docstring)."""
+
+    def __init__(self, engine, sampling, producer_id, counts, *, factory: EnvironmentFactory,
+                 settings: EpisodeSettings, in_engine: Callable):
+        super().__init__(engine, sampling, producer_id, counts)
+        self.factory, self.settings, self.in_engine = factory, settings, in_engine
+        self.compact = is_single_turn(factory)
+        for name in EPISODE_COUNTERS:
+            counts.setdefault(f"producer/{name}", 0)
+
+    async def groups(self, batch: Batch, seed: int, sequence: int) -> list[TrajectoryGroup]:
+        self.generate_s = 0.0
+        runner = EpisodeRunner(self.engine, self.factory, self.settings, self.sampling,
+                               generate_in_engine=self._generate)
+        records = await runner.run(batch, seed)
+        failed_before = self.counts["producer/failed_episodes"]
+        groups = [self._group(task, episodes, sequence)
+                  for (task, _), episodes in zip(batch, records)]
+        if self.counts["producer/failed_episodes"] > failed_before:
+            log.warning("failed episodes so far (never trained): %s", {
+                k.removeprefix("producer/failed/"): int(v) for k, v in self.counts.items()
+                if k.startswith("producer/failed/")})
+        return [g for g in groups if g is not None]
+
+    async def _generate(self, prompts, params, **kwargs):
+        began = time.perf_counter()
+        try:
+            return await self.in_engine(self.engine.generate, prompts, params, **kwargs)
+        finally:
+            self.generate_s += time.perf_counter() - began
+
+    def _group(self, task: PromptTask, episodes: list[EpisodeRecord],
+               sequence: int) -> TrajectoryGroup | None:
+        prompt = next((e.prompt for e in episodes if not e.failed), None)
+        for episode in episodes:
+            if not episode.failed and episode.prompt != prompt:
+                episode.fail("prompt_mismatch", "reset opened with another first prompt than "
+                                                "the group's first episode")
+            self._count(episode)
+        samples = [e.sample(compact=self.compact) for e in episodes if not e.failed]
+        if not samples:
+            self.counts["producer/empty_groups"] += 1
+            return None
+        return self.group(task, prompt, samples, sequence, self._sampling_wire(),
+                          {"generate_s": self.generate_s,
+                           "env_s": sum(e.env_s for e in episodes)})
+
+    def _count(self, episode: EpisodeRecord) -> None:
+        counts = self.counts
+        counts["producer/episodes"] += 1
+        counts["producer/turns"] += len(episode.turns)
+        counts["producer/tool_calls"] += episode.tool_calls
+        counts["producer/tool_errors"] += episode.tool_errors
+        counts["producer/env_s"] += episode.env_s
+        counts["producer/truncated_episodes"] += episode.truncated is not None
+        if episode.failed:
+            counts["producer/failed_episodes"] += 1
+            key = f"producer/failed/{episode.failure_kind}"
+            counts[key] = counts.get(key, 0) + 1
+
+    def _sampling_wire(self) -> dict:
+        wire = self.sampling.as_wire()
+        if self.compact:
+            wire["max_new_tokens"] = min(wire["max_new_tokens"], self.settings.max_total_tokens)
+            return wire
+        return {**wire, "max_new_tokens": self.settings.max_total_tokens,
+                "turn_tokens": self.sampling.max_new_tokens}
