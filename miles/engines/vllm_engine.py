@@ -90,6 +90,8 @@ from typing import Any
 from miles.engines.base import Completion, LoraSettings, TokenizedEngine, checked_stop_strings
 from miles.engines.vllm_api import adapter_name, build_completion, sampling_values, stop_values
 from miles.engines.vllm_server import ADAPTER_FILES, load_tokenizer
+from miles.engines.vllm_weights import (LOAD_WEIGHTS_RPC, WeightLoader, check_covers,
+                                        safetensors_files, tensor_shapes)
 from miles.errors import ConfigError, EngineError, MilesError
 from miles.rl.sampling import SamplingParams
 
@@ -98,7 +100,6 @@ log = logging.getLogger(__name__)
 ADAPTER_PREFIX = "miles"  # adapters are named miles-v<version>
 MAX_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # the max_lora_rank values vLLM accepts
 DTYPES = ("auto", "bfloat16", "float16", "float32")
-LOAD_WEIGHTS_RPC = "miles_load_safetensors"  # the method `WeightLoader` adds to vLLM's workers
 WARMUP_TOKENS = 2
 CPU_KV_CACHE_GIB = 1.0  # vLLM on CPU: the KV cache when kv_cache_gib is 0 (see engine_args)
 MAX_KV_CACHE_GIB = 4096.0
@@ -194,7 +195,7 @@ def engine_args(model_dir: str | Path, settings: VLLMEngineSettings, lora_rank: 
     if lora_rank:
         args.update(enable_lora=True, max_lora_rank=lora_rank, max_loras=settings.max_loras)
     else:
-        args["worker_extension_cls"] = f"{__name__}.{WeightLoader.__qualname__}"
+        args["worker_extension_cls"] = f"{WeightLoader.__module__}.{WeightLoader.__qualname__}"
     return args
 
 
@@ -264,90 +265,6 @@ def check_adapter(adapter_dir: Path, max_rank: int) -> None:
                           f"1..{max_rank} (vllm.max_lora_rank)")
     if not config.get("target_modules"):
         raise EngineError(f"adapter {adapter_dir} names no target_modules")
-
-
-def safetensors_files(weights: Path) -> list[Path]:
-    """The `.safetensors` files of a folder (or the one file given), each readable."""
-    files = sorted(weights.glob("*.safetensors")) if weights.is_dir() else [weights]
-    if not files or not files[0].is_file():
-        raise EngineError(f"no .safetensors files in {weights}")
-    for path in files:
-        if not tensor_shapes([path]):
-            raise EngineError(f"weights {path} hold no tensors")
-    return files
-
-
-def tensor_shapes(files: list[Path]) -> dict[str, tuple[int, ...]]:
-    """Every tensor's name and shape in `files`, read from their headers."""
-    from safetensors import SafetensorError, safe_open
-
-    shapes = {}
-    for path in files:
-        try:
-            with safe_open(path, framework="pt") as handle:
-                shapes.update({k: tuple(handle.get_slice(k).get_shape()) for k in handle.keys()})
-        except (OSError, SafetensorError) as err:
-            raise EngineError(f"cannot read weights {path}: {err}") from err
-    return shapes
-
-
-def check_covers(shapes: dict[str, tuple[int, ...]], base: dict[str, tuple[int, ...]],
-                 weights: Path) -> None:
-    """EngineError unless the new weights hold every tensor of the base checkpoint, shaped
-    alike, and nothing else: checked before anything is copied, so a refused load changes
-    nothing."""
-    missing = sorted(set(base) - set(shapes))
-    if missing:
-        raise EngineError(f"weights {weights} miss {len(missing)} tensors of the checkpoint, "
-                          f"e.g. {missing[:5]}")
-    unknown = sorted(set(shapes) - set(base))
-    if unknown:
-        raise EngineError(f"weights {weights} hold tensors the checkpoint lacks: {unknown[:5]}")
-    reshaped = [f"{k} {shapes[k]} (was {base[k]})" for k in sorted(base) if shapes[k] != base[k]]
-    if reshaped:
-        raise EngineError(f"weights {weights} change tensor shapes: {reshaped[:5]}")
-
-
-class WeightLoader:
-    """Mixed into each vLLM worker (`worker_extension_cls`); runs in the worker processes."""
-
-    def miles_load_safetensors(self, files: list[str]) -> list[str]:
-        """Copy the tensors of `files` into the model in place; returns the parameters they did
-        not cover where that is known (none is a full load). Through the worker's own
-        `reload_weights` where vLLM has it: it restores each layer's checkpoint layout, loads,
-        and re-runs the processing done after the first load (the CPU backend repacks linear
-        weights, for one, so a plain `load_weights` finds parameters of size 0); otherwise
-        through the model's `load_weights`."""
-        from safetensors.torch import load_file
-
-        if callable(getattr(self, "reload_weights", None)):
-            self.reload_weights(weights_iterator=(item for path in files
-                                                  for item in load_file(path).items()))
-            self._miles_retie_lm_head()
-            return []
-        model = self.model_runner.model
-        expected = {name for name, _ in model.named_parameters()}
-        loaded = [model.load_weights(weights=load_file(path).items()) for path in files]
-        if any(names is None for names in loaded):  # a model that does not report them
-            return []
-        return sorted(expected.difference(*loaded))
-
-    def _miles_retie_lm_head(self) -> None:
-        """A model whose LM head is tied to its input embeddings: `reload_weights` loads the
-        tied tensor through the embeddings and processes it for them only (its docstring says
-        so of tied parameters), so the head would keep the form processed from the old weights
-        (on CPU a packed matrix) and the logits would come from them. Tie the head again and
-        redo its processing."""
-        model = self.model_runner.model
-        head = getattr(model, "lm_head", None)
-        embed = getattr(getattr(model, "model", None), "embed_tokens", None)
-        tied = getattr(self.model_runner.model_config.hf_config, "tie_word_embeddings", False)
-        if not tied or head is None or embed is None:
-            return
-        head.weight = embed.weight
-        method = getattr(head, "quant_method", None)
-        if method is not None:
-            method.process_weights_after_loading(head)
 
 
 @dataclass(frozen=True, eq=False)

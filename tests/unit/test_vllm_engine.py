@@ -26,11 +26,12 @@ import numpy as np
 import pytest
 import torch
 
-from miles.engines import vllm_engine
+from miles.engines import vllm_engine, vllm_weights
 from miles.engines.base import LoraSettings
 from miles.engines.vllm_engine import (MAX_LORA_RANKS, ServedVersions, Served, VLLMEngine,
-                                       VLLMEngineSettings, WeightLoader, engine_args,
+                                       VLLMEngineSettings, engine_args,
                                        lora_rank_limit, parse_request_output, request_values)
+from miles.engines.vllm_weights import WeightLoader
 from miles.errors import ConfigError, EngineError, MilesError
 from miles.rl.sampling import SamplingParams
 from tests.factories import tokenizer_folder
@@ -225,7 +226,7 @@ def test_engine_args_pin_the_logprobs_mode():
         "enable_lora": True, "max_lora_rank": 16, "max_loras": 2}
     full = engine_args("/m", VLLMEngineSettings())
     assert "enable_lora" not in full and "max_model_len" not in full
-    assert full["worker_extension_cls"] == "miles.engines.vllm_engine.WeightLoader"
+    assert full["worker_extension_cls"] == "miles.engines.vllm_weights.WeightLoader"
 
 
 def test_on_cpu_the_kv_cache_is_sized_explicitly():
@@ -562,14 +563,14 @@ def test_full_weights_must_match_the_checkpoints_tensors(tmp_path):
     save_file({"embed.weight": torch.ones(4, 2), "head.weight": torch.ones(4, 2)},
               tmp_path / "a.safetensors")
     files = [tmp_path / "a.safetensors"]
-    assert vllm_engine.tensor_shapes(files) == base
-    vllm_engine.check_covers(vllm_engine.tensor_shapes(files), base, tmp_path)
+    assert vllm_weights.tensor_shapes(files) == base
+    vllm_weights.check_covers(vllm_weights.tensor_shapes(files), base, tmp_path)
     cases = {"miss 1 tensors of the checkpoint": {"embed.weight": (4, 2)},
              "lacks: \\['extra'\\]": {**base, "extra": (1,)},
              "change tensor shapes: \\['head.weight \\(4, 3\\)": {**base, "head.weight": (4, 3)}}
     for message, shapes in cases.items():
         with pytest.raises(EngineError, match=message):
-            vllm_engine.check_covers(shapes, base, tmp_path)
+            vllm_weights.check_covers(shapes, base, tmp_path)
 
 
 def test_a_full_load_that_does_not_cover_the_checkpoint_changes_nothing(make_engine, tmp_path):
