@@ -54,6 +54,30 @@ def test_samples_carry_the_trainers_logprobs(full_engine, vllm_model_dir):
     assert gap <= TIER.logprob_tolerance, gap
 
 
+def test_a_stop_string_ends_a_response_and_stays_in_it(full_engine, vllm_model_dir):
+    """Greedy, so the same prompt gives the same tokens with and without the stop string: the
+    stopped response is the free one up to the token whose text completes the string (kept),
+    its finish reason "stop_string", and its logprobs still the trainer's. Runs before the
+    full-weight load below changes the module's engine."""
+    greedy = SamplingParams(n=1, temperature=1.0, top_k=1, max_new_tokens=16)
+    prompts = prompts_of(full_engine, ["2+2=", "The answer:"])
+    free = [group[0] for group in full_engine.generate(prompts, greedy)]
+    texts = [full_engine.decode(c.token_ids) for c in free]
+    stops = tuple(dict.fromkeys(t[4:6] for t in texts if len(t) >= 8))
+    assert stops, texts
+    stopped = full_engine.generate(prompts, greedy, stop_strings=stops)
+    for before, (after,) in zip(free, stopped):
+        hit = next((k for k in range(1, len(before.token_ids) + 1)
+                    if any(s in full_engine.decode(before.token_ids[:k]) for s in stops)), None)
+        if hit is None:
+            assert after.token_ids.tolist() == before.token_ids.tolist()
+            continue
+        assert after.finish_reason == "stop_string"
+        assert after.token_ids.tolist() == before.token_ids[:hit].tolist()
+    gap = mean_logprob_gap(trainer_model(vllm_model_dir), prompts, stopped, greedy)
+    assert gap <= TIER.logprob_tolerance, gap
+
+
 def test_full_weights_load_in_place_and_the_prefix_cache_is_reset(full_engine, vllm_model_dir,
                                                                   tmp_path):
     """A long prompt sampled before the load is in the prefix cache; after the load its
@@ -129,24 +153,3 @@ def wait_for(condition, what: str, timeout_s: float = IN_FLIGHT_WAIT_S) -> None:
         time.sleep(0.005)
 
 
-def test_a_stop_string_ends_a_response_and_stays_in_it(full_engine, vllm_model_dir):
-    """Greedy, so the same prompt gives the same tokens with and without the stop string: the
-    stopped response is the free one up to the token whose text completes the string (kept),
-    its finish reason "stop_string", and its logprobs still the trainer's."""
-    greedy = SamplingParams(n=1, temperature=1.0, top_k=1, max_new_tokens=16)
-    prompts = prompts_of(full_engine, ["2+2=", "The answer:"])
-    free = [group[0] for group in full_engine.generate(prompts, greedy)]
-    texts = [full_engine.decode(c.token_ids) for c in free]
-    stops = tuple(dict.fromkeys(t[4:6] for t in texts if len(t) >= 8))
-    assert stops, texts
-    stopped = full_engine.generate(prompts, greedy, stop_strings=stops)
-    for before, (after,) in zip(free, stopped):
-        hit = next((k for k in range(1, len(before.token_ids) + 1)
-                    if any(s in full_engine.decode(before.token_ids[:k]) for s in stops)), None)
-        if hit is None:
-            assert after.token_ids.tolist() == before.token_ids.tolist()
-            continue
-        assert after.finish_reason == "stop_string"
-        assert after.token_ids.tolist() == before.token_ids[:hit].tolist()
-    gap = mean_logprob_gap(trainer_model(vllm_model_dir), prompts, stopped, greedy)
-    assert gap <= TIER.logprob_tolerance, gap
