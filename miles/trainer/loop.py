@@ -123,6 +123,7 @@ class TrainerLoop:
         self.batch: dict[str, list[Decoded]] = new_batch()  # the step being collected
         self.positions: dict[TopicPartition, int] = {}
         self.read_to: dict[TopicPartition, int] = {}  # past the last record polled, this process
+        self._revoked_in_poll: set[TopicPartition] = set()  # by a rebalance inside a poll
         self.step = 0
         self.counts: Counter[str] = Counter()
         self.lags: Counter[int] = Counter()
@@ -204,6 +205,7 @@ class TrainerLoop:
         return self.read_to.get(tp, self.positions.get(tp))
 
     async def _on_revoked(self, revoked: set[TopicPartition]) -> None:
+        self._revoked_in_poll |= revoked
         for tp in revoked:
             position = self._position(tp)
             if position is not None:
@@ -237,8 +239,11 @@ class TrainerLoop:
                     self.buffer.extendleft(reversed(self.batch["trained"]))
                     self.batch["trained"] = []
                     return False
-                self.buffer.extend(await self._admitted(await self.reader.poll(timeout_s=0.2)))
-                self.read_to.update(self.reader.polled)
+                self._revoked_in_poll = set()
+                items = await self.reader.poll(timeout_s=0.2)
+                items, polled = self._fetched_since_rebalance(items)
+                self.buffer.extend(await self._admitted(items))
+                self.read_to.update(polled)
                 self._count_dead_letters()
                 if time.monotonic() - last_beat > self.config.heartbeat_s:
                     self.runner.fence.check()  # an idle zombie must not hold partitions
@@ -253,6 +258,28 @@ class TrainerLoop:
             else:
                 self.batch["trained"].append(item)
         return True
+
+    def _fetched_since_rebalance(self, items: list[Decoded]
+                                 ) -> tuple[list[Decoded], dict[TopicPartition, int]]:
+        """The poll's records and end offsets, less those of partitions a rebalance revoked while
+        the poll ran (the decoding consumer yields between records, so the callbacks can run
+        with records of the old assignment already fetched): the revocation sought each
+        partition back to the trainer's position, from which they are read again; keeping them
+        too would train them twice. A partition handed back during the poll is sought to that
+        position once more (or, before any, to the first record dropped), since the consumer
+        has moved past what it returned."""
+        revoked, self._revoked_in_poll = self._revoked_in_poll, set()
+        if not revoked:
+            return items, self.reader.polled
+        dropped = [d for d in items if d.record.tp in revoked]
+        for tp in revoked & self.consumer.assignment():
+            first = min((d.record.offset for d in dropped if d.record.tp == tp), default=None)
+            position = self.positions.get(tp, first)  # none yet: where the dropped ones began
+            if position is not None:
+                self.positions[tp] = position
+                self.consumer.seek(tp, position)
+        polled = {tp: o for tp, o in self.reader.polled.items() if tp not in revoked}
+        return [d for d in items if d.record.tp not in revoked], polled
 
     async def _admitted(self, items: list[Decoded]) -> list[Decoded]:
         """The groups of `items` this trainer can train (`miles.trainer.intake`); the others are
