@@ -4,7 +4,8 @@ What is done here, by the Compose Specification's rules, for the parts of the fo
 uses: YAML anchors and `<<` merge keys (PyYAML), interpolation (`${VAR}`, `${VAR:-default}`,
 `${VAR-default}`, `${VAR:+alt}`, `${VAR+alt}`, `${VAR:?error}`, `$VAR`, `$$` for a literal `$`),
 merging override files (mappings merged key by key; a service's `volumes` merged by container
-path; other sequences, such as `command`, replaced), and profiles (a service without `profiles`
+path; other sequences, such as `command`, replaced; `!override` replaces, `!reset` removes), and
+profiles (a service without `profiles`
 is always on). Not done: `extends`, `include`, `env_file`, long-form volume syntax, a variable
 in a default (`${A:-${B}}`).
 """
@@ -20,7 +21,7 @@ import yaml
 
 COMPOSE_DIR = Path(__file__).resolve().parents[1] / "compose"
 BASE = COMPOSE_DIR / "docker-compose.yml"
-OVERRIDES = {"gpu": COMPOSE_DIR / "gpu.yml"}
+OVERRIDES = {"gpu": COMPOSE_DIR / "gpu.yml", "secure": COMPOSE_DIR / "secure.yml"}
 _VARIABLE = re.compile(r"\$(?:(?P<escaped>\$)|\{(?P<braced>[^}]*)\}|(?P<named>[A-Za-z_][A-Za-z0-9_]*))")
 _BRACED = re.compile(r"(?P<name>[A-Za-z_][A-Za-z0-9_]*)(?:(?P<op>:?[-+?])(?P<arg>.*))?$", re.S)
 
@@ -79,14 +80,49 @@ def _interpolated(node: Any, env: Mapping[str, str]) -> Any:
     if isinstance(node, str):
         return interpolate(node, env)
     if isinstance(node, Mapping):
-        return {key: _interpolated(value, env) for key, value in node.items()}
+        return type(node)({key: _interpolated(value, env) for key, value in node.items()})
     if isinstance(node, list):
-        return [_interpolated(item, env) for item in node]
+        return type(node)(_interpolated(item, env) for item in node)
     return node
 
 
+class OverrideMap(dict):
+    """`!override {...}`: replaces the value it is merged over."""
+
+
+class OverrideList(list):
+    """`!override [...]`."""
+
+
+class Reset:
+    """`!reset`: removes the value it is merged over."""
+
+
+class _Loader(yaml.SafeLoader):
+    pass
+
+
+def _override(loader: yaml.SafeLoader, node: yaml.Node):
+    if isinstance(node, yaml.MappingNode):
+        return OverrideMap(loader.construct_mapping(node, deep=True))
+    return OverrideList(loader.construct_sequence(node, deep=True))
+
+
+_Loader.add_constructor("!override", _override)
+_Loader.add_constructor("!reset", lambda loader, node: Reset())
+
+
 def load_raw(path: Path) -> dict:
-    return yaml.safe_load(path.read_text())
+    return yaml.load(path.read_text(), Loader=_Loader)
+
+
+def plain(node: Any) -> Any:
+    """A loaded file as plain JSON values (for the schema): `!reset` keys dropped."""
+    if isinstance(node, Mapping):
+        return {k: plain(v) for k, v in node.items() if not isinstance(v, Reset)}
+    if isinstance(node, list):
+        return [plain(item) for item in node]
+    return node
 
 
 def load(*paths: Path, env: Mapping[str, str] | None = None) -> dict:
@@ -94,14 +130,18 @@ def load(*paths: Path, env: Mapping[str, str] | None = None) -> dict:
     project: dict = {}
     for path in paths:
         project = merge(project, _interpolated(load_raw(path), env or {}))
-    return project
+    return plain(project)
 
 
 def merge(base: Mapping, override: Mapping, where: str = "") -> dict:
     out = dict(base)
     for key, value in override.items():
         here = f"{where}.{key}" if where else str(key)
-        if isinstance(value, Mapping) and isinstance(out.get(key), Mapping):
+        if isinstance(value, Reset):
+            out.pop(key, None)
+        elif isinstance(value, (OverrideMap, OverrideList)):
+            out[key] = dict(value) if isinstance(value, OverrideMap) else list(value)
+        elif isinstance(value, Mapping) and isinstance(out.get(key), Mapping):
             out[key] = merge(out[key], value, here)
         elif key == "volumes" and where.startswith("services.") and key in out:
             out[key] = _merge_mounts(out[key], value)

@@ -6,7 +6,8 @@ as folders under a temp root and every container path of its mounts rewritten on
 image's working directory (/opt/miles, which holds this repository's files: compose/Dockerfile).
 `python` and `miles` are this interpreter's, as the image's are its own. Docker sets
 HOSTNAME to the container id in each container; here each producer replica gets its own. The
-one substitution: MILES_BUS, kafka://kafka:19092 on the compose network, is this session's broker.
+one substitution: the broker's address on the compose network (kafka:19092, in MILES_BUS) is
+this session's broker.
 
 Host variables are set as a user would export them (a small run: MILES_SFT_STEPS, groups per
 step). Then `topics` and `init` run to completion, and trainer, two producer replicas and the
@@ -37,6 +38,7 @@ IMAGE_WORKDIR = "/opt/miles"  # compose/Dockerfile: WORKDIR, holding the reposit
 NETWORK_BUS = "kafka://kafka:19092"
 CONTAINER_ROOTS = ("/var/lib/miles", IMAGE_WORKDIR)
 STEPS = 3
+BROKER_LABEL = "kafka-1"  # a broker a test starts itself (test_compose_secure.py)
 RUN_TIMEOUT_S = 420.0
 ONE_SHOT_TIMEOUT_S = 240.0
 SHIMS = {"python": [sys.executable], "miles": [sys.executable, "-m", "miles.cli"]}
@@ -47,6 +49,11 @@ def host_variables(run: str) -> dict[str, str]:
     return {"MILES_RUN": run, "MILES_SFT_STEPS": "3", "MILES_FEED_EPOCHS": "1",
             "MILES_GROUPS_PER_STEP": "4", "MILES_MAX_NEW_TOKENS": "4", "MILES_TORCH_THREADS": "1",
             "MILES_LORA_R": "4", "MILES_LORA_ALPHA": "8", "MILES_EVAL_PROBLEMS": "16"}
+
+
+def network_addresses(broker_url: str) -> dict[str, str]:
+    """The plaintext stack's one network address, kafka:19092, as this session's broker."""
+    return {NETWORK_BUS.removeprefix("kafka://"): broker_url.removeprefix("kafka://")}
 
 
 def shim_dir(root: Path) -> Path:
@@ -61,12 +68,20 @@ def shim_dir(root: Path) -> Path:
 
 
 class Stack:
-    """The services of one compose project, each runnable as a local process."""
+    """The services of one compose project, each runnable as a local process.
 
-    def __init__(self, root: Path, broker_url: str, host_env: dict[str, str]):
+    `addresses`: each network address (host:port on the compose network) the services may name,
+    and the local one to use instead (the substitution the module docstring describes);
+    `image_paths`: folders of a service's image other than the Miles image's own (the Kafka
+    image's tools, for its one-shot steps), and what stands in for them here."""
+
+    def __init__(self, root: Path, addresses: dict[str, str], host_env: dict[str, str],
+                 files: tuple[Path, ...] = (spec.BASE,),
+                 image_paths: dict[str, Path] | None = None):
         self.root = root
-        self.broker_url = broker_url
-        project = spec.load(spec.BASE, env=host_env)
+        self.addresses = addresses
+        self.image_paths = {IMAGE_WORKDIR: REPO, **(image_paths or {})}
+        project = spec.load(*files, env=host_env)
         self.services = spec.active_services(project, {"rl", "eval"})
         self.volumes = {name: root / "volumes" / name for name in project.get("volumes", {})}
         for folder in self.volumes.values():
@@ -75,27 +90,53 @@ class Stack:
         self.processes: dict[str, subprocess.Popen] = {}
 
     def mounts(self, name: str) -> dict[str, Path]:
-        """Container path -> folder here, for each volume of service `name`, and the image."""
-        found = {IMAGE_WORKDIR: REPO}
+        """Container path -> folder here, for each volume of service `name` and its image."""
+        found = dict(self.image_paths)
         for mount in self.services[name].get("volumes", []):
             source, target = spec.mount_source(mount), spec.mount_target(mount)
-            found[target] = self.volumes[source] if source in self.volumes else Path(source)
+            if source in self.volumes:
+                found[target] = self.volumes[source]
+            else:  # a bind mount: relative to the compose file's folder
+                found[target] = (spec.COMPOSE_DIR / source).resolve()
         return found
+
+    def parent_folder(self, name: str, path: str, mounts: dict[str, Path]) -> None:
+        """`path` holds some of the service's mount points (no volume of its own): a folder
+        here with a link per mount point under it."""
+        if not path.startswith("/") or path.rstrip("/") == "" or path in mounts:
+            return
+        children = {t: f for t, f in mounts.items() if t.startswith(path.rstrip("/") + "/")}
+        if not children:
+            return
+        folder = self.root / "parents" / name / path.strip("/").replace("/", "-")
+        for target, source in children.items():
+            link = folder / target[len(path):].strip("/")
+            link.parent.mkdir(parents=True, exist_ok=True)
+            if not link.exists():
+                link.symlink_to(source, target_is_directory=True)
+        mounts[path] = folder
 
     def rewrite(self, text: str, mounts: dict[str, Path], where: str) -> str:
         for target in sorted(mounts, key=len, reverse=True):
-            text = re.sub(re.escape(target) + r"(?=/|$|\")", str(mounts[target]), text)
+            text = re.sub(re.escape(target) + r"(?=[/\s\"']|$)", str(mounts[target]), text)
         for root in CONTAINER_ROOTS:
             assert root not in text, f"{where}: {text!r} names {root} on no volume of the service"
+        for network, local in self.addresses.items():
+            text = text.replace(network, local)
         return text
 
     def command(self, name: str, hostname: str) -> tuple[list[str], dict[str, str]]:
         service, mounts = self.services[name], self.mounts(name)
+        raw_env = spec.environment(service)
+        for value in raw_env.values():
+            self.parent_folder(name, value, mounts)
+        if "MILES_BUS" in raw_env:
+            assert raw_env["MILES_BUS"].removeprefix("kafka://") in self.addresses, \
+                f"{name}: MILES_BUS {raw_env['MILES_BUS']} is not on the compose network"
         env = {key: self.rewrite(value, mounts, f"{name}: {key}")
-               for key, value in spec.environment(service).items()}
-        assert env.get("MILES_BUS") == NETWORK_BUS, f"{name} has no MILES_BUS on the network"
-        env["MILES_BUS"] = self.broker_url  # the one substitution (module docstring)
-        argv = [self.rewrite(arg, mounts, f"{name}: command") for arg in service["command"]]
+               for key, value in raw_env.items()}
+        argv = [self.rewrite(arg, mounts, f"{name}: command")
+                for arg in [*service.get("entrypoint", []), *service.get("command", [])]]
         base = {"PATH": f"{self.shims}:{os.environ['PATH']}", "HOME": os.environ["HOME"],
                 "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1", "HOSTNAME": hostname}
         return argv, {**base, **env}
@@ -123,17 +164,21 @@ class Stack:
 
     def stop_all(self) -> dict[str, int]:
         """SIGTERM to each main process, as `docker compose stop` sends it to PID 1, then wait;
-        what is left of a process group after the wait is killed."""
-        for process in self.processes.values():
-            if process.poll() is None:
-                process.send_signal(signal.SIGTERM)
+        what is left of a process group after the wait is killed. A broker run here stops last,
+        as compose stops services before those they depend on."""
         codes = {}
-        for label, process in self.processes.items():
-            try:
-                codes[label] = process.wait(timeout=120)
-            except subprocess.TimeoutExpired:
-                os.killpg(process.pid, signal.SIGKILL)
-                codes[label] = process.wait()
+        daemons = [label for label in self.processes if label != BROKER_LABEL]
+        for labels in (daemons, [label for label in self.processes if label == BROKER_LABEL]):
+            for label in labels:
+                if self.processes[label].poll() is None:
+                    self.processes[label].send_signal(signal.SIGTERM)
+            for label in labels:
+                process = self.processes[label]
+                try:
+                    codes[label] = process.wait(timeout=120)
+                except subprocess.TimeoutExpired:
+                    os.killpg(process.pid, signal.SIGKILL)
+                    codes[label] = process.wait()
         return codes
 
 
@@ -165,7 +210,7 @@ def wait_for(condition, stack: Stack, what: str, timeout_s: float = RUN_TIMEOUT_
 
 def test_the_rl_profile_runs_the_whole_loop_outside_docker(kafka_broker, tmp_path):
     run = unique_run()
-    stack = Stack(tmp_path, kafka_broker.url, host_variables(run))
+    stack = Stack(tmp_path, network_addresses(kafka_broker.url), host_variables(run))
     runs = stack.volumes["miles-runs"] / run
     try:
         stack.run_once("topics")
@@ -199,7 +244,7 @@ def test_the_rl_profile_runs_the_whole_loop_outside_docker(kafka_broker, tmp_pat
 
 def test_a_service_without_the_volume_its_path_is_on_fails(kafka_broker, tmp_path):
     """The check above can fail: a producer that lost its miles-runs mount is refused."""
-    stack = Stack(tmp_path, kafka_broker.url, host_variables(unique_run()))
+    stack = Stack(tmp_path, network_addresses(kafka_broker.url), host_variables(unique_run()))
     producer = stack.services["producer"]
     producer["volumes"] = [m for m in producer["volumes"] if "miles-runs" not in m]
     with pytest.raises(AssertionError, match="on no volume"):

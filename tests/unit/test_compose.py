@@ -17,7 +17,7 @@ from tests import compose as spec
 
 COMPOSE = spec.BASE
 SCHEMA = spec.COMPOSE_DIR / "schema" / "compose-spec.json"
-COMBINATIONS = [(), ("gpu",)]
+COMBINATIONS = [(), ("gpu",), ("secure",), ("gpu", "secure")]
 ALL_PROFILES = {"rl", "eval"}
 # Keys whose values depend on the host (ports, paths, voters) and are set per deployment.
 HOST_SPECIFIC = {"controller.quorum.voters", "listeners", "advertised.listeners", "log.dirs",
@@ -113,7 +113,7 @@ def files(overrides: tuple[str, ...]) -> list[Path]:
                          ids=["defaults", "variables"])
 def test_every_file_and_merge_is_a_valid_compose_file(validator, overrides, host_env):
     for path in files(overrides):
-        errors = [e.message for e in validator.iter_errors(spec.load_raw(path))]
+        errors = [e.message for e in validator.iter_errors(spec.plain(spec.load_raw(path)))]
         assert not errors, f"{path.name}: {errors[:3]}"
     merged = spec.load(*files(overrides), env=host_env)
     errors = [f"{'/'.join(map(str, e.path))}: {e.message}" for e in validator.iter_errors(merged)]
@@ -159,8 +159,9 @@ def mounts(service) -> dict[str, str]:
 
 
 def covered(path: str, service) -> bool:
+    """`path` is on a volume of `service`, or is the folder its volumes are mounted in."""
     return any(path == target or path.startswith(target.rstrip("/") + "/")
-               for target in mounts(service))
+               or target.startswith(path.rstrip("/") + "/") for target in mounts(service))
 
 
 @pytest.mark.parametrize("overrides", COMBINATIONS, ids=lambda o: "+".join(("base", *o)))
@@ -246,3 +247,31 @@ def test_the_compose_cli_reads_the_files_as_these_tests_do(overrides):
         assert theirs[name].get("command") == command, name
         targets = {v["target"] for v in theirs[name].get("volumes", [])}
         assert targets == set(mounts(service)), name
+
+
+# -- the secured variant ---------------------------------------------------------------------
+
+ROLE_OF = {"topics": "admin", "init": "feeder", "trainer": "trainer", "producer": "producer",
+           "evaluator": "reader"}
+
+
+def test_each_secured_service_connects_as_its_role_with_only_its_secret():
+    services = rl_services(("secure",))
+    for name, role in ROLE_OF.items():
+        env = spec.environment(services[name])
+        assert env["MILES_BUS"] == "kafka://kafka:19093", name
+        assert env["MILES_KAFKA__SECURITY_PROTOCOL"] == "SASL_SSL", name
+        assert env["MILES_KAFKA__SASL_USERNAME"] == role, name
+        secrets = {spec.mount_source(m) for m in services[name]["volumes"]
+                   if spec.mount_source(m).startswith("miles-kafka-")}
+        assert secrets == {f"miles-kafka-{role}"}, name
+        assert mounts(services[name])["/var/lib/miles/kafka"].endswith(":ro"), name
+        for key in ("MILES_KAFKA__SASL_PASSWORD_FILE", "MILES_KAFKA__SSL_CAFILE"):
+            assert covered(env[key], services[name]), (name, key)
+
+
+def test_the_secured_broker_has_no_plaintext_port_and_its_settings_come_from_one_file():
+    kafka = rl_services(("secure",))["kafka"]
+    assert kafka["ports"] == ["9093:9093"]
+    assert set(kafka["environment"]) == {"CLUSTER_ID"}  # no KAFKA_* over the file's settings
+    assert "/mnt/shared/config" in mounts(kafka)
