@@ -275,3 +275,41 @@ def test_the_secured_broker_has_no_plaintext_port_and_its_settings_come_from_one
     assert kafka["ports"] == ["9093:9093"]
     assert set(kafka["environment"]) == {"CLUSTER_ID"}  # no KAFKA_* over the file's settings
     assert "/mnt/shared/config" in mounts(kafka)
+
+
+# -- the image and the GPU variant -----------------------------------------------------------
+
+def image_files() -> set[str]:
+    """The paths the Dockerfile copies into its WORKDIR (COPY SRC... DEST)."""
+    lines = (spec.COMPOSE_DIR / "Dockerfile").read_text().splitlines()
+    workdir = next(line.split()[1] for line in lines if line.startswith("WORKDIR "))
+    copied = set()
+    for line in lines:
+        if line.startswith("COPY "):
+            *sources, dest = line.split()[1:]
+            dest = dest if dest.startswith("/") else f"{workdir}/{dest.removeprefix('./')}"
+            copied |= {dest.rstrip("/") + ("/" + Path(s).name if dest.endswith("/") else "")
+                       for s in sources}
+    return copied
+
+
+def test_the_image_holds_what_the_services_run_from_it():
+    """The stack test maps the image's /opt/miles onto this repository; this checks that the
+    Dockerfile does copy there what a command names (compose/init.sh)."""
+    copied = image_files()
+    named = [arg for service in rl_services().values() for arg in service.get("command", [])
+             if arg.startswith("/opt/miles/")]
+    assert named
+    for path in named:
+        assert path in copied, f"{path} is not copied into the image: {sorted(copied)}"
+
+
+def test_the_gpu_variant_runs_vllm_on_reserved_nvidia_gpus():
+    services = rl_services(("gpu",))
+    assert spec.environment(services["producer"])["MILES_ENGINE"] == "vllm"
+    for name in ("trainer", "producer"):
+        devices = services[name]["deploy"]["resources"]["reservations"]["devices"]
+        assert devices[0]["driver"] == "nvidia" and devices[0]["capabilities"] == ["gpu"], name
+    for name in ("topics", "init", "trainer", "producer", "evaluator"):
+        assert services[name]["build"]["args"]["EXTRAS"] == "vllm", name
+        assert services[name]["image"] == "miles:gpu", name
