@@ -22,7 +22,8 @@ import yaml
 COMPOSE_DIR = Path(__file__).resolve().parents[1] / "compose"
 BASE = COMPOSE_DIR / "docker-compose.yml"
 OVERRIDES = {"gpu": COMPOSE_DIR / "gpu.yml", "secure": COMPOSE_DIR / "secure.yml"}
-_VARIABLE = re.compile(r"\$(?:(?P<escaped>\$)|\{(?P<braced>[^}]*)\}|(?P<named>[A-Za-z_][A-Za-z0-9_]*))")
+_VARIABLE = re.compile(r"\$(?:(?P<escaped>\$)|\{(?P<braced>[^}]*)\}"
+                       r"|(?P<named>[A-Za-z_][A-Za-z0-9_]*))")
 _BRACED = re.compile(r"(?P<name>[A-Za-z_][A-Za-z0-9_]*)(?:(?P<op>:?[-+?])(?P<arg>.*))?$", re.S)
 
 

@@ -209,7 +209,8 @@ def test_the_user_model_folder_replaces_the_built_one_read_only():
 def test_producer_replicas_take_their_id_from_the_container_hostname():
     command = rl_services()["producer"]["command"]
     assert command[:2] == ["sh", "-c"]
-    assert 'rollout.producer_id="producer-$HOSTNAME"' in command[2]  # the container's shell expands it
+    # $$ in the file: the container's shell expands it, to the container id Docker sets
+    assert 'rollout.producer_id="producer-$HOSTNAME"' in command[2]
 
 
 def compose_cli() -> list[str] | None:
