@@ -30,6 +30,7 @@ import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
@@ -43,16 +44,21 @@ from miles.engines.base import LoraSettings, RolloutEngine
 from miles.engines.hf import HFEngine
 from miles.engines.vllm_engine import VLLMEngineSettings
 from miles.engines.vllm_server import VLLMServerSettings
+from miles.envs import EnvironmentFactory, load_environment
+from miles.episodes import EpisodeSettings
 from miles.errors import ConfigError
-from miles.evaluation import Curve, Evaluator
+from miles.evaluation import Curve, EpisodeEval, Evaluator
 from miles.feeder import feed
 from miles.protocol.topics import run_topics
 from miles.rl.sampling import SamplingParams
-from miles.rollout import RolloutConfig, RolloutWorker
+from miles.rollout import RolloutConfig, RolloutWorker, episode_extras
+from miles.rollout_groups import EPISODE_COUNTERS
 from miles.service import configure_logging, run_service, wait_or_stop
 from miles.sft import SFTConfig, supervised_warm_start
+from miles.tasks.arithmetic import Problem
 from miles.tasks.datasets import BUILT_IN, load_problems
-from miles.tasks.rewards import resolve_reward
+from miles.tasks.multiplication import warm_start_problems
+from miles.tasks.rewards import Scorer, resolve_reward
 from miles.tasks.tiny_model import build_tiny_model
 from miles.trainer.learner import Learner, LearnerConfig
 from miles.trainer.loop import LoopConfig, TrainerLoop
@@ -64,6 +70,20 @@ from producers.rollout import ENGINES, ProducerSettings, build_engine
 
 log = logging.getLogger(__name__)
 CACHE = Path.home() / ".cache" / "miles" / "demo"
+ENV_DEMOS: dict[str, dict[str, str]] = {
+    "multiplication": {"prompts": "multiplication", "env": "calculator",
+                       "sampling.max_new_tokens": "32", "episodes.max_turns": "4",
+                       "episodes.max_total_tokens": "58", "sft.steps": "300"},
+}
+"""`miles demo --env NAME`: the settings of each built-in multi-turn demo (`--set` overrides
+them). multiplication: two-digit products with the calculator; a turn has room for the call
+(28 tokens), an episode for call, result and answer within the tiny model's 64 positions."""
+WARM_STARTS: dict[tuple[str, str], Callable[[list[Problem]], list[Problem]]] = {
+    ("multiplication", "calculator"): warm_start_problems,
+}
+"""(task, env) -> the supervised pairs that teach the environment's format to the task's
+training problems; any other pair is warmed up on the problems' answers (single-turn)."""
+CHAT_TASKS = ("multiplication",)  # tasks whose episodes need the tag characters (chat tokenizer)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -73,7 +93,9 @@ class DemoConfig:
     out_dir: Path = Path("runs/demo")
     run: str = ""  # topics are miles.RUN.*; "": "demo" embedded, "demo-<UTC time>" on Kafka
     model_dir: Path | None = None  # a checkpoint to start from (default: the built tiny model)
-    prompts: str = "arithmetic"  # a built-in task (arithmetic, arithmetic-plain) or a JSONL file
+    prompts: str = "arithmetic"  # a built-in task (arithmetic[-plain], multiplication) or JSONL
+    env: str = ""  # the producer's environment (calculator, python, module:Name); "": single-turn
+    episodes: EpisodeSettings = field(default_factory=EpisodeSettings)  # limits when env is set
     eval_prompts: str | None = None  # JSONL for held-out evaluation (default: `prompts`' test)
     reward: str = "exact_match"  # exact_match, math, format[:REGEX], rm:PATH or module:function
     reward_timeout_s: float = 10.0  # per reward call; a timed-out sample gets 0.0 and an error
@@ -115,22 +137,52 @@ class DemoConfig:
                           max_staleness=self.max_staleness, checkpoint_every=0)
 
 
+def env_overrides(name: str | None) -> list[str]:
+    """`--env NAME` as settings, before the other flags and `--set` (which win): a built-in
+    demo's (`ENV_DEMOS`), or `env=NAME` for the producer's environment."""
+    if name is None:
+        return []
+    if name in ENV_DEMOS:
+        return [f"{key}={value}" for key, value in ENV_DEMOS[name].items()]
+    return [f"env={name}"]
+
+
 def warm_start(config: DemoConfig) -> Path:
-    """The model RL starts from: the user's, or the cached tiny model after `miles sft`."""
+    """The model RL starts from: the user's, or the cached tiny model after `miles sft` on the
+    task's warm-start pairs (`WARM_STARTS`), cached by the SFT settings, task and format."""
     if config.model_dir is not None:
         return Path(config.model_dir)
     task = config.prompts if config.prompts in BUILT_IN else "arithmetic"
-    key = hashlib.sha256(json.dumps({**asdict(config.sft), "task": task},
-                                    sort_keys=True).encode()).hexdigest()[:12]
+    pairs = WARM_STARTS.get((task, config.env))
+    chat = task in CHAT_TASKS
+    keyed = {**asdict(config.sft), "task": task}
+    if pairs is not None or chat:  # the arithmetic demos keep their cache key
+        keyed |= {"env": config.env if pairs is not None else "", "chat": chat}
+    key = hashlib.sha256(json.dumps(keyed, sort_keys=True).encode()).hexdigest()[:12]
     sft_dir = CACHE / f"sft-{key}"
     if (sft_dir / "config.json").exists():
         return sft_dir
-    base = build_tiny_model(CACHE / "base")
+    base = build_tiny_model(CACHE / ("base-chat" if chat else "base"), chat=chat)
     log.info("building the supervised warm start in %s", sft_dir)
+    problems = load_problems(task, "train")
     staging = sft_dir.with_name(sft_dir.name + ".tmp")
-    supervised_warm_start(base, staging, load_problems(task, "train"), config.sft)
+    supervised_warm_start(base, staging, pairs(problems) if pairs else problems, config.sft)
     staging.rename(sft_dir)
     return sft_dir
+
+
+def environment(config: DemoConfig, scorer: Scorer) -> EnvironmentFactory | None:
+    """The run's environment factory (None: single-turn)."""
+    return load_environment(config.env, reward=scorer) if config.env else None
+
+
+def episode_eval(config: DemoConfig, scorer: Scorer) -> EpisodeEval | None:
+    """Held-out evaluation through the run's environment, as the producer plays it."""
+    factory = environment(config, scorer)
+    if factory is None:
+        return None
+    return EpisodeEval(factory=factory, settings=config.episodes,
+                       turn_tokens=config.sampling.max_new_tokens)
 
 
 async def run_embedded(config: DemoConfig, model_dir: Path, evaluator: Evaluator,
@@ -141,7 +193,8 @@ async def run_embedded(config: DemoConfig, model_dir: Path, evaluator: Evaluator
     began = time.monotonic()
     engine = demo_engine(config, model_dir)
     engine_start_s = time.monotonic() - began
-    worker = RolloutWorker(bus, engine, evaluator.scorer, config.rollout())
+    worker = RolloutWorker(bus, engine, evaluator.scorer, config.rollout(),
+                           env=environment(config, evaluator.scorer), episodes=config.episodes)
     learner = Learner(model_dir, config.learner, lora=config.lora)
     trainer = TrainerLoop(bus, StepRunner(learner, config.loop(),
                                           base_model=base_model_id(model_dir)))
@@ -156,7 +209,8 @@ async def run_embedded(config: DemoConfig, model_dir: Path, evaluator: Evaluator
     finally:
         engine.close()
     return {"rl_seconds": time.monotonic() - started, "engine_start_s": engine_start_s,
-            "generate_s": worker.counts["producer/generate_s"]}
+            "generate_s": worker.counts["producer/generate_s"],
+            "episodes": episode_extras(worker.counts) if config.env else {}}
 
 
 def demo_engine(config: DemoConfig, model_dir: Path) -> RolloutEngine:
@@ -178,13 +232,16 @@ def daemon_settings(config: DemoConfig, model_dir: Path) -> dict:
         "producer": ProducerSettings(**common, reward=config.reward, torch_threads=1,
                                      reward_timeout_s=config.reward_timeout_s,
                                      engine=config.engine, vllm=config.vllm,
-                                     vllm_server=config.vllm_server, rollout=config.rollout()),
+                                     vllm_server=config.vllm_server, rollout=config.rollout(),
+                                     env=config.env, episodes=config.episodes),
         "trainer": TrainerSettings(**common, torch_threads=1, learner=config.learner,
                                    loop=config.loop()),
         "evaluator": EvaluatorSettings(**common, run=config.run, prompts=config.prompts,
                                        reward=config.reward, every_s=config.eval_every_s,
                                        out=config.out_dir / "evaluation.jsonl",
-                                       weights=config.weights()),
+                                       weights=config.weights(), env=config.env,
+                                       episodes=config.episodes,
+                                       turn_tokens=config.sampling.max_new_tokens),
         "recorder": RecorderSettings(bus=config.bus, kafka=config.kafka, run=config.run,
                                      out_dir=config.out_dir / "archive", file_seconds=30.0),
     }
@@ -228,7 +285,17 @@ async def run_processes(config: DemoConfig, model_dir: Path, evaluator: Evaluato
         for process in processes:
             await asyncio.to_thread(process.wait, 120)
     return {"rl_seconds": rl_seconds, "engine_start_s": started - spawned,
-            "generate_s": sum(evaluator.producer_generate_s.values())}
+            "generate_s": sum(evaluator.producer_generate_s.values()),
+            "episodes": producers_episodes(evaluator.producer_extra) if config.env else {}}
+
+
+def producers_episodes(extras: dict[str, dict]) -> dict[str, int | float]:
+    """The producers' episode counters (`episode_extras`) summed over their last heartbeats."""
+    total: dict[str, int | float] = {}
+    for extra in extras.values():
+        for name in EPISODE_COUNTERS:
+            total[name] = total.get(name, 0) + extra.get(name, 0)
+    return total
 
 
 async def run_demo(config: DemoConfig, stop: asyncio.Event) -> dict:
@@ -243,11 +310,11 @@ async def run_demo(config: DemoConfig, stop: asyncio.Event) -> dict:
         await bus.create_topics(run_topics(config.run, prompt_partitions=1,
                                            trajectory_partitions=1))
         await feed(bus, config.run, load_problems(config.prompts, "train"), epochs=2)
+        scorer = resolve_reward(config.reward, timeout_s=config.reward_timeout_s)
         evaluator = Evaluator(bus, config.run, model_dir, config.lora,
                               held_out[:config.eval_problems], every_s=config.eval_every_s,
-                              scorer=resolve_reward(config.reward,
-                                                    timeout_s=config.reward_timeout_s),
-                              weights=config.weights())
+                              scorer=scorer, weights=config.weights(),
+                              episodes=episode_eval(config, scorer))
         async with evaluator:
             initial = await evaluator.measure(held_out)
             run = run_embedded if config.bus.startswith("embedded") else run_processes
@@ -280,7 +347,8 @@ def build_report(config: DemoConfig, result: dict, curve: Curve, *, initial: flo
     generate_s = result["generate_s"]
     return {
         "bus": config.bus, "run": config.run, "model_dir": str(model_dir),
-        "algo": config.learner.algorithm.name,
+        "algo": config.learner.algorithm.name, "prompts": config.prompts,
+        "env": config.env or "single_turn",
         "max_staleness": config.max_staleness,
         "initial_accuracy": initial, "final_accuracy": final,
         "held_out_problems": held_out,
@@ -293,11 +361,22 @@ def build_report(config: DemoConfig, result: dict, curve: Curve, *, initial: flo
         "max_lag_seen": max(lags) if lags else 0, "lag_histogram": lags,
         "dropped_stale": trainer.get("trainer/dropped_stale", 0),
         "groups_trained": trainer.get("trainer/groups_trained", 0),
+        "episodes": per_episode(result["episodes"]),
         "fraction_generating": round(generate_s / rl_s, 3),
         "fraction_training": round(train_s / rl_s, 3),
         "fraction_evaluating": round(curve.eval_seconds / rl_s, 3),
         "curve": curve.points,
     }
+
+
+def per_episode(counts: dict) -> dict:
+    """The producers' episode counters, with turns, tool calls and environment seconds per
+    episode (empty for a single-turn run)."""
+    if not counts:
+        return {}
+    episodes = max(counts.get("episodes", 0), 1)
+    return {**counts, **{f"{name}_per_episode": round(counts.get(name, 0) / episodes, 4)
+                         for name in ("turns", "tool_calls", "tool_errors", "env_s")}}
 
 
 def last_metrics(path: Path) -> dict:
