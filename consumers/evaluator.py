@@ -5,8 +5,10 @@ records from the trainer and the trainer never waits for it:
 - the trajectories stream, from where it is when the evaluator starts: per policy version (the
   group's oldest token), groups, samples and mean reward of what the producers publish;
 - held-out accuracy: each newer announced weight version, at most every `every_s` seconds, is
-  loaded (from `weights.store`, sha256-verified) and its greedy accuracy measured on `eval_problems` problems of the
-  held-out split (`miles.evaluation.Evaluator`).
+  loaded (from `weights.store`, sha256-verified) and its greedy accuracy measured on
+  `eval_problems` problems of the held-out split (`miles.evaluation.Evaluator`); with `env`,
+  each problem is a greedy episode through that environment, solved when its return is
+  positive.
 Every `every_s` seconds it appends a `{"kind": "stream", ...}` line with the stream's numbers to
 `out`, and a `{"kind": "held_out", ...}` line per measurement. Invalid trajectory records
 (tombstones included) are counted, not dead-lettered (the trainer does that); invalid control and
@@ -25,6 +27,7 @@ from pathlib import Path
 
 from miles.bus.security import KafkaSecurity
 from miles.engines.base import LoraSettings
+from miles.episodes import EpisodeSettings
 from miles.errors import MilesError
 from miles.protocol import TrajectoryGroup, decode
 from miles.service import daemon_main, wait_or_stop
@@ -46,6 +49,9 @@ class EvaluatorSettings:
     out: Path = Path("runs/evaluation.jsonl")  # JSON lines appended here
     torch_threads: int = 1  # the evaluator should not compete with the trainer for cores
     weights: FollowConfig = field(default_factory=FollowConfig)  # weight store and trainer key
+    env: str = ""  # the run's environment: held-out problems as greedy episodes ("": one answer)
+    episodes: EpisodeSettings = field(default_factory=EpisodeSettings)  # the run's limits
+    turn_tokens: int = 8  # tokens per model turn with env (the producer's sampling.max_new_tokens)
 
 
 class StreamStats:
@@ -82,7 +88,8 @@ async def run_evaluator(settings: EvaluatorSettings, stop: asyncio.Event) -> dic
     import torch
 
     from miles.bus import open_bus
-    from miles.evaluation import Evaluator
+    from miles.envs import load_environment
+    from miles.evaluation import EpisodeEval, Evaluator
     from miles.protocol.topics import topic_name
     from miles.tasks.datasets import load_problems
     from miles.tasks.rewards import resolve_reward
@@ -90,6 +97,9 @@ async def run_evaluator(settings: EvaluatorSettings, stop: asyncio.Event) -> dic
     torch.set_num_threads(settings.torch_threads)
     scorer = resolve_reward(settings.reward, timeout_s=settings.reward_timeout_s)
     problems = load_problems(settings.prompts, "test")[:settings.eval_problems]
+    episodes = None if not settings.env else EpisodeEval(
+        factory=load_environment(settings.env, reward=scorer), settings=settings.episodes,
+        turn_tokens=settings.turn_tokens)
     settings.out.parent.mkdir(parents=True, exist_ok=True)
     stats = StreamStats()
     async with open_bus(settings.bus, settings.kafka) as bus:
@@ -97,7 +107,7 @@ async def run_evaluator(settings: EvaluatorSettings, stop: asyncio.Event) -> dic
                               group_id=f"miles.{settings.run}.fanout-evaluator.trajectories")
         evaluator = Evaluator(bus, settings.run, settings.model_dir, settings.lora, problems,
                               every_s=settings.every_s, scorer=scorer, group="fanout-evaluator",
-                              weights=settings.weights)
+                              weights=settings.weights, episodes=episodes)
         async with stream, evaluator:
             async with asyncio.TaskGroup() as tasks:
                 tasks.create_task(_read_stream(stream, stats, stop))

@@ -3,6 +3,11 @@
 Greedy decoding is `top_k=1` sampling (the argmax token) through the same engine the producers
 use, so evaluation sees exactly the weights and the tokenisation that generated the training data;
 a problem counts as solved when the run's reward `Scorer` gives its answer a positive reward.
+With an environment (`EpisodeEval`, the run's `env`), each problem is instead one greedy episode
+played by the producer's `EpisodeRunner` through a fresh environment, with the run's episode
+limits and per-turn budget: it counts as solved when the episode did not fail and its return
+(the sum of its step rewards, what the producer trains on) is positive. A truncated episode
+counts by the reward it got, a failed one as unsolved.
 The `Evaluator` is one more consumer of the run's topics, in its own consumer groups: it follows
 the control topic, loads each newer version (sha256-verified) at most every `every_s` seconds,
 measures it, and keeps the curve; from the status topic it keeps the producers' generation time.
@@ -20,14 +25,16 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from miles.bus import Bus
 from miles.bus.decoding import DecodingConsumer
 from miles.engines.base import LoraSettings, RolloutEngine
+from miles.envs import EnvironmentFactory
+from miles.episodes import EpisodeRecord, EpisodeRunner, EpisodeSettings
 from miles.errors import MilesError, MissingWeightsError
-from miles.protocol import Heartbeat, WeightVersion
+from miles.protocol import Heartbeat, PromptTask, WeightVersion
 from miles.protocol.topics import topic_name
 from miles.rl.sampling import SamplingParams
 from miles.service import wait_or_stop
@@ -39,23 +46,62 @@ from miles.weights.store import fetch_version
 
 log = logging.getLogger(__name__)
 EVAL_BATCH = 256
+GREEDY = SamplingParams(n=1, temperature=1.0, top_k=1, max_new_tokens=8)
+
+
+@dataclass(frozen=True, kw_only=True)
+class EpisodeEval:
+    """Held-out problems as greedy episodes through the run's environment."""
+
+    factory: EnvironmentFactory  # builds one environment per episode (`load_environment`)
+    settings: EpisodeSettings = field(default_factory=EpisodeSettings)  # the run's limits
+    turn_tokens: int = 8  # tokens per model turn (the producer's `sampling.max_new_tokens`)
 
 
 def greedy_answers(engine: RolloutEngine, problems: list[Problem], *,
                    max_new_tokens: int = 8) -> list[str]:
     """The greedy response to each problem, decoded and cut at end-of-sequence (blocking)."""
-    params = SamplingParams(n=1, temperature=1.0, top_k=1, max_new_tokens=max_new_tokens)
+    params = replace(GREEDY, max_new_tokens=max_new_tokens)
     outputs = engine.generate([engine.encode(p.prompt) for p in problems], params, seed=0)
     return [engine.decode(c.token_ids[:-1] if c.finish_reason == "stop" else c.token_ids)
             for (c,) in outputs]
 
 
+async def greedy_episodes(engine: RolloutEngine, problems: list[Problem],
+                          episodes: EpisodeEval) -> list[EpisodeRecord]:
+    """One greedy episode per problem through the producer's runner (generation in a worker
+    thread, every episode's next turn batched into one engine call), in problem order."""
+
+    async def generate(prompts, params, **kwargs):
+        return await asyncio.to_thread(engine.generate, prompts, params, **kwargs)
+
+    runner = EpisodeRunner(engine, episodes.factory, episodes.settings,
+                           replace(GREEDY, max_new_tokens=episodes.turn_tokens),
+                           generate_in_engine=generate)
+    tasks = [(PromptTask(task_id=p.task_id, prompt=p.prompt, reference=p.answer,
+                         created_at=0.0), engine.encode(p.prompt)) for p in problems]
+    return [record for (record,) in await runner.run(tasks, seed=0)]
+
+
+def solved(record: EpisodeRecord) -> bool:
+    """Whether an episode counts as a success: not failed, and a positive return."""
+    sample = None if record.failed else record.sample()
+    return sample is not None and sample.reward > 0
+
+
 async def greedy_accuracy(engine: RolloutEngine, problems: list[Problem], *,
-                          scorer: Scorer | None = None, max_new_tokens: int = 8) -> float:
+                          scorer: Scorer | None = None, max_new_tokens: int = 8,
+                          episodes: EpisodeEval | None = None) -> float:
     """Fraction of `problems` whose greedy answer earns a positive reward (default scorer:
-    `exact_match`); generation runs in a worker thread, `EVAL_BATCH` problems at a time."""
+    `exact_match`), or with `episodes` whose greedy episode succeeds (`solved`); generation
+    runs in a worker thread, `EVAL_BATCH` problems at a time."""
     scorer = scorer or Scorer(exact_match)
     correct = 0
+    if episodes is not None:
+        for start in range(0, len(problems), EVAL_BATCH):
+            records = await greedy_episodes(engine, problems[start:start + EVAL_BATCH], episodes)
+            correct += sum(solved(r) for r in records)
+        return correct / max(len(problems), 1)
     for start in range(0, len(problems), EVAL_BATCH):
         chunk = problems[start:start + EVAL_BATCH]
         texts = await asyncio.to_thread(greedy_answers, engine, chunk,
@@ -76,18 +122,21 @@ class Curve:
 class Evaluator:
     def __init__(self, bus: Bus, run: str, model_dir: Path, lora: LoraSettings | None,
                  problems: list[Problem], *, every_s: float, scorer: Scorer | None = None,
-                 group: str = "evaluator", weights: FollowConfig | None = None):
+                 group: str = "evaluator", weights: FollowConfig | None = None,
+                 episodes: EpisodeEval | None = None):
         from miles.engines.hf import HFEngine
 
         self.bus, self.run, self.problems, self.every_s = bus, run, problems, every_s
         self.group = group  # consumer groups miles.<run>.<group>.<topic kind>
         self.scorer = scorer or Scorer(exact_match)
+        self.episodes = episodes  # evaluate through the run's environment (None: single-turn)
         self.weights = weights or FollowConfig()  # the weight store and the trainer's key
         self.verifier = Verifier(self.weights.public_key, who="evaluator")
         self.engine = HFEngine(model_dir, lora=lora)
         self.curve = Curve()
         self.announced = -1  # policy version of the newest announcement taken as a candidate
         self.producer_generate_s: dict[str, float] = {}
+        self.producer_extra: dict[str, dict] = {}  # each producer's newest heartbeat counters
         self.producers_seen: set[str] = set()  # ids of producers that sent a heartbeat
         self._followed = Announcements()
         self._loaded: tuple[int, int] | None = None  # lineage of the loaded weights; None: base
@@ -113,7 +162,8 @@ class Evaluator:
     async def measure(self, problems: list[Problem] | None = None) -> float:
         """Greedy accuracy of the loaded weights on `problems` (default: the curve's)."""
         problems = self.problems if problems is None else problems
-        accuracy = await greedy_accuracy(self.engine, problems, scorer=self.scorer)
+        accuracy = await greedy_accuracy(self.engine, problems, scorer=self.scorer,
+                                         episodes=self.episodes)
         log.info("held-out accuracy %.3f on %d problems at version %d", accuracy, len(problems),
                  self.engine.policy_version)
         return accuracy
@@ -131,6 +181,7 @@ class Evaluator:
                     log.warning("evaluation ignores a trainer heartbeat: %s", why)
             elif beat.role == "producer":
                 self.producers_seen.add(beat.producer_id)
+                self.producer_extra[beat.producer_id] = dict(beat.extra)
                 if "generate_s" in beat.extra:
                     self.producer_generate_s[beat.producer_id] = float(beat.extra["generate_s"])
         while items := await self._control.poll(timeout_s=wait_s):  # until caught up

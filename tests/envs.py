@@ -1,6 +1,6 @@
 """Environments for tests, importable as `tests.envs:NAME` (like `tests.rewards`)."""
 
-from miles.envs import Action, Environment, Step, Task, ToolEnvironment
+from miles.envs import Action, Environment, Step, Task, ToolEnvironment, score_final
 
 NOT_A_CLASS = 42
 
@@ -113,3 +113,21 @@ class Greeter(Counter):
     async def reset(self, task: Task):
         await super().reset(task)
         return "Hi. " + task.prompt_text
+
+
+class SecondTry(Environment):
+    """Two turns whatever the model says: the first is answered " again:", the second is the
+    final answer, scored by the run's reward (multi-turn plumbing with any model)."""
+
+    def __init__(self, *, reward):
+        self.reward = reward
+
+    async def reset(self, task: Task):
+        self.task, self.k = task, 0
+        return None
+
+    async def step(self, action: Action) -> Step:
+        self.k += 1
+        if self.k == 1:
+            return Step(" again:")
+        return await score_final(self.reward, action.text, self.task)

@@ -14,7 +14,7 @@ from miles.errors import MilesError
 from miles.service import configure_logging
 
 
-PROMPTS_HELP = ("a built-in task (arithmetic, arithmetic-plain), a .parquet file, a directory "
+PROMPTS_HELP = ("a built-in task (arithmetic, arithmetic-plain, multiplication), a .parquet file, a directory "
                 "written by datasets' save_to_disk, or a JSONL file")
 
 
@@ -83,6 +83,10 @@ def add_rl_commands(sub: argparse._SubParsersAction) -> None:
     demo.add_argument("--prompts", default=None, help=f"{PROMPTS_HELP}, with prompt and answer "
                                                       "fields (default: arithmetic)")
     demo.add_argument("--reward", default=None)
+    demo.add_argument("--env", default=None,
+                      help="multi-turn: a built-in demo (multiplication: two-digit products "
+                           "with the calculator, its warm start and limits) or an environment "
+                           "for the producer (calculator, python, module:Name) with --prompts")
     demo.add_argument("--rl-seconds", type=float, default=None)
     demo.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
 
@@ -115,13 +119,14 @@ async def _feed(args: argparse.Namespace) -> int:
 
 def _demo(args: argparse.Namespace) -> int:
     from miles.config import load_with_preset
-    from miles.demo import DemoConfig, main_demo
+    from miles.demo import DemoConfig, env_overrides, main_demo
     from miles.rl.algorithm import preset_layers
 
     flags = {"bus": args.bus, "out_dir": args.out, "max_staleness": args.max_staleness,
              "model_dir": args.model_dir, "prompts": args.prompts,
              "reward": args.reward, "rl_seconds": args.rl_seconds}
-    overrides = [f"{k}={v}" for k, v in flags.items() if v is not None] + args.set
+    overrides = [*env_overrides(args.env), *(f"{k}={v}" for k, v in flags.items()
+                                             if v is not None), *args.set]
     return main_demo(load_with_preset(DemoConfig, preset_layers(), "learner.algorithm",
                                       algo=args.algo, overrides=overrides))
 

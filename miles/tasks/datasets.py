@@ -1,6 +1,7 @@
 """Prompt sources: a built-in task, or a dataset of prompts and reference answers.
 
-A source (`load_problems`) is a built-in task name (`arithmetic`, `arithmetic-plain`), a
+A source (`load_problems`) is a built-in task name (`arithmetic`, `arithmetic-plain`,
+`multiplication`: two-digit products, the calculator environment's task), a
 `.parquet` file, a directory written by Hugging Face `datasets`' `save_to_disk` (a `Dataset`, or
 a `DatasetDict` whose split is chosen by `split`), or any other file, read as JSONL. A file or a
 single `Dataset` serves every split; built-in tasks and `DatasetDict`s have their own.
@@ -32,9 +33,15 @@ from pathlib import Path
 
 from miles.errors import ConfigError
 from miles.tasks.arithmetic import Problem, arithmetic_problems
+from miles.tasks.multiplication import multiplication_problems
 
-BUILT_IN = {"arithmetic": True, "arithmetic-plain": False}
-"""Built-in task names -> whether the answer is written least-significant digit first."""
+BUILT_IN: dict[str, Callable[[str], list[Problem]]] = {
+    "arithmetic": lambda split: arithmetic_problems(split, reverse=True),
+    "arithmetic-plain": lambda split: arithmetic_problems(split, reverse=False),
+    "multiplication": multiplication_problems,
+}
+"""Built-in task names -> their split's problems (arithmetic: answers least-significant digit
+first; arithmetic-plain: in the usual order; multiplication: `a*b=` with two-digit operands)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -149,13 +156,12 @@ def read_saved_dataset(path: str | Path, split: str = "train",
 
 def load_problems(source: str, split: str = "train", *,
                   fmt: DatasetFormat = DatasetFormat()) -> list[Problem]:
-    """`arithmetic` (the built-in task, reversed answers), `arithmetic-plain` (conventional digit
-    order), a `.parquet` file, a `save_to_disk` directory or a JSONL file, rows read by `fmt`."""
+    """A built-in task (`BUILT_IN`), a `.parquet` file, a `save_to_disk` directory or a JSONL file, rows read by `fmt`."""
     if source in BUILT_IN:
         if fmt != DatasetFormat():
             raise ConfigError(f"{source!r} is a built-in task: field mapping and prompt "
                               "templates apply to dataset files")
-        return arithmetic_problems(split, reverse=BUILT_IN[source])
+        return BUILT_IN[source](split)
     path = Path(source)
     if path.is_dir():
         return read_saved_dataset(path, split, fmt)

@@ -418,6 +418,7 @@ class TrainerLoop:
                 "trainer/step_s": step_s,
                 "trainer/tokens_per_s": metrics.get("trainer/tokens", 0.0) / max(step_s, 1e-9),
                 "trainer/accuracy": sum(s.reward > 0 for s in samples) / max(len(samples), 1),
+                "trainer/episode_samples": sum(s.loss_mask is not None for s in samples),
                 "trainer/max_lag": max(self.lags) if self.lags else 0,
                 "trainer/lag_histogram": {str(k): v for k, v in sorted(self.lags.items())},
                 **{k: v for k, v in self.counts.items()}}

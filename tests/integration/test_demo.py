@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from miles.config import load_config
 from miles.demo import DemoConfig, main_demo
 
@@ -22,3 +24,27 @@ def test_a_short_embedded_demo_writes_its_report_and_curves(model_dir, tmp_path)
     assert report["curve"] and all(p["policy_version"] >= 1 for p in report["curve"])
     assert (tmp_path / "curves.png").stat().st_size > 0
     assert len(list((tmp_path / "weights").iterdir())) <= 16  # the store is pruned
+
+
+@pytest.mark.parametrize("bus", ["embedded", pytest.param("kafka", marks=pytest.mark.kafka)])
+def test_a_short_demo_with_an_environment_trains_episodes(bus, model_dir, tmp_path, request):
+    """`--set env=module:Name` (the producer's environment) on both buses: the producer plays
+    episodes (two turns each), the trainer trains them (samples with a loss mask) and held-out
+    evaluation plays the same episodes greedily."""
+    overrides = [f"model_dir={model_dir}", f"out_dir={tmp_path}", "rl_seconds=8",
+                 "eval_every_s=1", "eval_problems=8", "groups_per_step=4", "lora.r=4",
+                 "lora.alpha=8", "env=tests.envs:SecondTry"]
+    if bus == "kafka":
+        overrides.append(f"bus={request.getfixturevalue('kafka_broker').url}")
+    assert main_demo(load_config(DemoConfig, env={}, overrides=overrides)) == 0
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert report["env"] == "tests.envs:SecondTry" and report["steps"] >= 2
+    assert report["curve"] and 0 <= report["final_accuracy"] <= 1
+    episodes = report["episodes"]
+    assert episodes["episodes"] > 0 and episodes["turns_per_episode"] == 2
+    assert episodes["failed_episodes"] == 0
+    lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert lines and all(line["trainer/episode_samples"] > 0 for line in lines)
+    if bus == "kafka":
+        settings = (tmp_path / "producer.yaml").read_text()
+        assert "env: tests.envs:SecondTry" in settings and "max_total_tokens" in settings

@@ -229,3 +229,39 @@ async def test_the_tool_example_in_docs_environments_md_runs():
     step = await env.step(Action("<tool>word_length: banana</tool>", finish_reason="stop_string"))
     assert step.observation == "<result>6</result>"
     assert (await env.step(Action("6"))).reward == 1.0
+
+
+async def test_the_readme_example_is_the_docs_and_runs_through_the_producers_runner(
+        tmp_path, monkeypatch):
+    """README's "Write an environment" example, saved as the module it says, loaded by its spec
+    and played by the producer's EpisodeRunner (scripted engine: call the tool, then answer)."""
+    from miles.episodes import EpisodeRunner, EpisodeSettings
+    from miles.protocol import PromptTask
+    from miles.rl.sampling import SamplingParams
+    from miles.tasks.tiny_model import build_char_tokenizer
+    from tests.scripted import ScriptedEngine
+
+    (block,) = [b for b in python_blocks("README.md") if "class " in b]
+    assert block in python_blocks("docs/environments.md")  # one example, not two
+    (tmp_path / "mypkg").mkdir()
+    (tmp_path / "mypkg" / "envs.py").write_text(block)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    factory = load_environment("mypkg.envs:WordLengths", reward=MATH)
+    build_char_tokenizer(chat=True).save_pretrained(tmp_path / "tokenizer")
+    engine = ScriptedEngine(tmp_path / "tokenizer", lambda text: "6" if "<result>" in text
+                            else "<tool>word_length: banana</tool>")
+
+    async def generate(prompts, params, **kwargs):
+        return engine.generate(prompts, params, **kwargs)
+
+    runner = EpisodeRunner(engine, factory, EpisodeSettings(),
+                           SamplingParams(n=2, max_new_tokens=40), generate_in_engine=generate)
+    prompt = "Letters in banana?"
+    task = PromptTask(task_id="w", prompt=prompt, reference="6", created_at=0.0)
+    ((first, second),) = await runner.run([(task, engine.encode(prompt))], seed=0)
+    for record in (first, second):
+        sample = record.sample()
+        assert record.failure is None and record.tool_calls == 1 and sample.reward == 1.0
+        assert engine.decode(sample.response_token_ids.tolist()) == (
+            "<tool>word_length: banana</tool><result>6</result>6")
+        assert sample.loss_mask.tolist().count(0) == len(engine.encode("<result>6</result>"))

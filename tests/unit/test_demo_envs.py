@@ -1,0 +1,74 @@
+"""`miles demo --env NAME`: the built-in multi-turn demo's settings (which `--set` overrides),
+and its warm start: the tool format's pairs with the environment, the answers without it, each
+cached under a key of its own, while the arithmetic demo keeps its cache key."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, replace
+
+import pytest
+from transformers import AutoTokenizer
+
+from miles import demo
+from miles.config import load_with_preset
+from miles.demo import DemoConfig, env_overrides, warm_start
+from miles.rl.algorithm import preset_layers
+from miles.tasks.datasets import load_problems
+from miles.tasks.multiplication import warm_start_problems
+
+
+def demo_config(*overrides: str, env: str | None = None) -> DemoConfig:
+    return load_with_preset(DemoConfig, preset_layers(), "learner.algorithm",
+                            overrides=[*env_overrides(env), *overrides])
+
+
+def test_env_names_a_built_in_demo_or_the_producers_environment():
+    config = demo_config(env="multiplication")
+    assert (config.prompts, config.env) == ("multiplication", "calculator")
+    assert config.sampling.max_new_tokens == 32 and config.sampling.n == 8
+    assert config.episodes.max_total_tokens == 58
+    assert demo_config("sft.steps=7", "env=", env="multiplication").env == ""
+    assert demo_config("sft.steps=7", env="multiplication").sft.steps == 7
+    other = demo_config(env="tests.envs:SecondTry")
+    assert (other.env, other.prompts) == ("tests.envs:SecondTry", "arithmetic")
+    assert demo_config().env == ""
+
+
+@pytest.fixture
+def sft_calls(tmp_path, monkeypatch):
+    """`warm_start` under a temporary cache, with a stand-in for the SFT that records what it
+    was given."""
+    monkeypatch.setattr(demo, "CACHE", tmp_path)
+    calls = []
+
+    def fake_sft(base, out, problems, config):
+        calls.append((AutoTokenizer.from_pretrained(base), problems))
+        out.mkdir(parents=True)
+        (out / "config.json").write_text("{}")
+        return out
+
+    monkeypatch.setattr(demo, "supervised_warm_start", fake_sft)
+    return calls
+
+
+def test_the_multiplication_warm_start_teaches_the_tool_format_with_the_env(sft_calls):
+    with_tool = demo_config("sft.steps=3", env="multiplication")
+    single_turn = replace(with_tool, env="")
+    tool_dir, plain_dir = warm_start(with_tool), warm_start(single_turn)
+    assert tool_dir != plain_dir
+    train = load_problems("multiplication", "train")
+    (tool_tokenizer, tool_pairs), (plain_tokenizer, plain_pairs) = sft_calls
+    assert tool_pairs == warm_start_problems(train) and plain_pairs == train
+    assert "<" in tool_tokenizer.get_vocab() and "<" in plain_tokenizer.get_vocab()  # chat
+    assert warm_start(with_tool) == tool_dir and len(sft_calls) == 2  # cached
+    assert warm_start(replace(with_tool, sft=replace(with_tool.sft, steps=4))) != tool_dir
+
+
+def test_the_arithmetic_warm_start_keeps_its_cache_key(sft_calls, tmp_path):
+    config = demo_config("sft.steps=3")
+    key = hashlib.sha256(json.dumps({**asdict(config.sft), "task": "arithmetic"},
+                                    sort_keys=True).encode()).hexdigest()[:12]
+    assert warm_start(config) == tmp_path / f"sft-{key}"
+    assert warm_start(replace(config, env="tests.envs:SecondTry")) == tmp_path / f"sft-{key}"
