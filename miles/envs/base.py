@@ -177,11 +177,7 @@ class SingleTurn(Environment):
         return await score_final(self.reward, action.text, task)
 
     def _started(self) -> Task:
-        if self._task is None:
-            raise EnvError(f"{type(self).__name__}.step called before reset")
-        if self._done:
-            raise EnvError(f"{type(self).__name__}.step called after the episode ended")
-        return self._task
+        return started_task(self, self._task, self._done)
 
 
 async def score_final(reward: Scorer, answer: str, task: Task, **info: Any) -> Step:
@@ -191,3 +187,12 @@ async def score_final(reward: Scorer, answer: str, task: Task, **info: Any) -> S
     if scored.error is not None:
         info[INFO_ERROR] = scored.error
     return Step(None, scored.reward, done=True, info=info)
+
+
+def started_task(env: Environment, task: Task | None, done: bool) -> Task:
+    """The task of an episode `env` is playing: EnvError before `reset` or after the end."""
+    if task is None:
+        raise EnvError(f"{type(env).__name__}.step called before reset")
+    if done:
+        raise EnvError(f"{type(env).__name__}.step called after the episode ended")
+    return task

@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterable
 from typing import Any, ClassVar
 
 from miles.envs.base import (INFO_TOOL_CALLS, INFO_TOOL_ERRORS, Action, Environment, Observation,
-                             Step, Task, score_final)
+                             Step, Task, score_final, started_task)
 from miles.envs.tools import CLOSING_TAGS, STYLES, Tool, ToolBox, ToolSettings, ToolTurn
 from miles.errors import EnvError
 from miles.tasks.rewards import Scorer
@@ -85,8 +85,4 @@ class ToolEnvironment(Environment):
         return self.toolbox.render(turn)
 
     def _started(self) -> Task:
-        if self._task is None:
-            raise EnvError(f"{type(self).__name__}.step called before reset")
-        if self._done:
-            raise EnvError(f"{type(self).__name__}.step called after the episode ended")
-        return self._task
+        return started_task(self, self._task, self._done)
