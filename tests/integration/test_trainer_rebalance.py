@@ -73,8 +73,8 @@ async def test_a_rebalance_inside_a_poll_trains_its_records_once(bus_url, model_
     """The decoding consumer yields between records, so the group's callbacks can run while a
     poll holds records of the old assignment: the revocation seeks back to the trainer's
     position, and those records come again. Here the callbacks fire inside the first poll that
-    returns records (what the group does on a rejoin after a pause, forced to that moment):
-    before the fix, that poll's groups were trained twice."""
+    returns records after two steps (what the group does on a rejoin after a pause, forced to
+    that moment): before the fix, that poll's groups were trained twice."""
     from miles.bus.decoding import DecodingConsumer
 
     run, steps = unique_run(), 4
@@ -82,7 +82,7 @@ async def test_a_rebalance_inside_a_poll_trains_its_records_once(bus_url, model_
 
     async def poll_with_rebalance(self, *args, **kwargs):
         items = await real_poll(self, *args, **kwargs)
-        if items and not fired and self.name == "trainer":
+        if items and not fired and self.name == "trainer" and loop.step >= 2:
             fired.append(len(items))
             assignment = set(self.consumer.assignment())
             await loop._on_revoked(assignment)
@@ -92,11 +92,16 @@ async def test_a_rebalance_inside_a_poll_trains_its_records_once(bus_url, model_
     monkeypatch.setattr(DecodingConsumer, "poll", poll_with_rebalance)
     async with open_bus(bus_url) as bus:
         await bus.create_topics(run_topics(run, trajectory_partitions=2))
-        published = await publish_numbered(bus, run, 0, PER_STEP * steps)
         learner = Learner(model_dir, LearnerConfig(lr=1e-2), lora=LoraSettings(r=4, alpha=8))
         loop = TrainerLoop(bus, StepRunner(learner, LoopConfig(
             run=run, out_dir=tmp_path, groups_per_step=PER_STEP, max_steps=steps,
             max_staleness=1000, checkpoint_every=0), base_model=str(model_dir)))
-        await asyncio.wait_for(loop.run(asyncio.Event()), 300)
+        trainer = asyncio.create_task(loop.run(asyncio.Event()))
+        published = await publish_numbered(bus, run, 0, PER_STEP * 2)
+        while len(ledger(tmp_path)) < 2:
+            assert not trainer.done(), trainer.result()
+            await asyncio.sleep(0.02)
+        published += await publish_numbered(bus, run, len(published), PER_STEP * (steps - 2))
+        await asyncio.wait_for(trainer, 300)
     assert fired and fired[0] >= 1
     assert_trained_once(ledger(tmp_path), published, steps=steps, per_step=PER_STEP)
