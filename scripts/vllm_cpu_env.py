@@ -75,8 +75,8 @@ def build(venv: Path) -> Path:
                           "-e", f"{REPO}[dev]"])
         _log(f"installing {wheel.name} without its dependencies")
         _install(python, ["--no-deps", str(wheel)])
-    subprocess.run([str(python), "-c", "import vllm, miles; print('vllm', vllm.__version__)"],
-                   check=True)
+    check = "import sys, vllm, miles; print('vllm', vllm.__version__, file=sys.stderr)"
+    subprocess.run([str(python), "-c", check], check=True)  # stdout carries only the python
     stamp.write_text(json.dumps(wanted))
     return python
 
