@@ -156,3 +156,15 @@ def aggregated_loss(learner: Learner, groups: list) -> float:
             settings=learner.kl.loss_settings())
         total += float(loss)
     return total
+
+
+def gae_by_hand(values: list[float], reward: float, lam: float = 0.95) -> tuple[list, list]:
+    """A_k and returns_k over a response's (or an episode's policy) tokens k = 1..m in order
+    (gamma = 1): delta_k = r_k + V_{k+1} - V_k with V_{m+1} = 0 and the outcome reward on k = m."""
+    n, advantages, running = len(values), [0.0] * len(values), 0.0
+    for k in reversed(range(n)):
+        following = values[k + 1] if k + 1 < n else 0.0
+        delta = (reward if k == n - 1 else 0.0) + following - values[k]
+        running = delta + lam * running
+        advantages[k] = running
+    return advantages, [a + v for a, v in zip(advantages, values)]

@@ -26,6 +26,7 @@ from miles.trainer import distributed, learner as learner_module
 from miles.trainer.learner import Learner, LearnerConfig
 from miles.trainer.model import LoraSettings
 from tests.factories import make_group, version_zero_sample as sample
+from tests.integration.conformance import gae_by_hand
 
 VOCAB = 78
 LENGTHS, REWARDS = [4, 2, 5, 3], [1.0, 0.0, 0.0, 1.0]
@@ -35,17 +36,6 @@ LENGTHS, REWARDS = [4, 2, 5, 3], [1.0, 0.0, 0.0, 1.0]
 def process_group():
     yield
     distributed.destroy()
-
-
-def gae_by_hand(values: list[float], reward: float, lam: float = 0.95) -> tuple[list, list]:
-    """A_t and returns_t of one response from its values (gamma = 1)."""
-    n, advantages, running = len(values), [0.0] * len(values), 0.0
-    for t in reversed(range(n)):
-        following = values[t + 1] if t + 1 < n else 0.0
-        delta = (reward if t == n - 1 else 0.0) + following - values[t]
-        running = delta + lam * running
-        advantages[t] = running
-    return advantages, [a + v for a, v in zip(advantages, values)]
 
 
 def test_ppo_gae_losses_and_gradient_direction(model_dir, monkeypatch):

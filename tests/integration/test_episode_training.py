@@ -26,7 +26,8 @@ from torch.testing import assert_close
 
 from miles.trainer.learner import Learner, LearnerConfig
 from tests.factories import make_episode, make_group
-from tests.integration.conformance import LORA, VOCAB, preset_config, process_group  # noqa: F401
+from tests.integration.conformance import (LORA, VOCAB, gae_by_hand, preset_config,  # noqa: F401
+                                           process_group)
 
 TURNS = [[(2, 20), (1, 20), (2, 0)], [(3, 25), (3, 0)], [(1, 30), (1, 15)]]
 REWARDS = [1.0, 0.0, 0.0]
@@ -120,18 +121,6 @@ def test_the_update_follows_the_policy_tokens_only(learner_and_batch):
     assert abs(metrics["trainer/loss"] - loss) < 1e-4, (metrics["trainer/loss"], loss)
     assert abs(metrics["trainer/is_weight_mean"] - 1.0) < 1e-5
     assert metrics["trainer/clip_frac"] == 0.0
-
-
-def gae_by_hand(values: list[float], reward: float, lam: float = 0.95) -> tuple[list, list]:
-    """A_k and returns_k over an episode's policy tokens k = 1..m in order (gamma = 1):
-    delta_k = r_k + V_{k+1} - V_k with V_{m+1} = 0 and the outcome reward on k = m."""
-    n, advantages, running = len(values), [0.0] * len(values), 0.0
-    for k in reversed(range(n)):
-        following = values[k + 1] if k + 1 < n else 0.0
-        delta = (reward if k == n - 1 else 0.0) + following - values[k]
-        running = delta + lam * running
-        advantages[k] = running
-    return advantages, [a + v for a, v in zip(advantages, values)]
 
 
 def test_ppo_gae_runs_over_policy_tokens_across_turns(model_dir, monkeypatch):
