@@ -19,9 +19,10 @@ any sizes with the knobs of `AdvantageSettings`; `kl_penalised_returns` and
 
 GAE (Schulman et al. 2016, "High-dimensional continuous control using generalized advantage
 estimation") works on per-token rewards and values of right-padded responses ([B, T]);
-`token_rewards` builds those rewards from an outcome reward, optionally minus a per-token KL
-penalty (the RLHF recipe of Ouyang et al. 2022, "InstructGPT"), and `masked_whiten` normalises
-advantages over the valid tokens.
+`token_rewards` builds those rewards from the rewards earned at tokens (an episode's per-turn
+rewards) and the outcome reward (the return: what the steps leave of it goes on the last
+token), optionally minus a per-token KL penalty (the RLHF recipe of Ouyang et al. 2022,
+"InstructGPT"), and `masked_whiten` normalises advantages over the valid tokens.
 
 Simplifications:
 - Stds are population stds by default (`unbiased_std` for Bessel's n - 1, which TRL and verl use:
@@ -251,15 +252,26 @@ def _prefix_gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
 
 
 def token_rewards(outcome: torch.Tensor, mask: torch.Tensor,
-                  kl_penalty: torch.Tensor | None = None, coef: float = 0.0) -> torch.Tensor:
-    """Per-token rewards [B, T]: `outcome` ([B]) on each row's last valid token, minus
+                  kl_penalty: torch.Tensor | None = None, coef: float = 0.0, *,
+                  steps: torch.Tensor | None = None) -> torch.Tensor:
+    """Per-token rewards [B, T]: `steps` ([B, T], rewards earned at tokens, e.g. an episode's
+    per-turn rewards; None: none) on each row's valid tokens, plus the remainder `outcome`
+    ([B], the return) - the sum of those steps on the row's last valid token, minus
     `coef * kl_penalty` ([B, T], e.g. a per-token KL estimate) on every valid token.
 
+    Without the penalty a row's rewards sum to its `outcome` (gamma 1): a step off the mask
+    is not lost but lands, through the remainder, on the last valid token. Without `steps`
+    (or all of them 0) the rewards are `outcome` on the last valid token, bit for bit.
     `mask` is [B, T] bool; padded positions and rows without a valid token get 0. Detached.
     """
     positions = torch.arange(mask.shape[1], device=mask.device).expand_as(mask)  # [B, T]
     last = torch.where(mask, positions, -1).amax(dim=1, keepdim=True)  # [B, 1], -1: empty row
-    rewards = torch.where(positions == last, outcome.detach().float().unsqueeze(1), 0.0)
+    outcome = outcome.detach().float()  # [B]
+    rewards = torch.zeros(mask.shape, device=mask.device)  # [B, T]
+    if steps is not None:
+        rewards = torch.where(mask, steps.detach().float(), 0.0)  # [B, T]
+        outcome = (outcome.double() - rewards.double().sum(dim=1)).float()  # [B] remainder
+    rewards = rewards + torch.where(positions == last, outcome.unsqueeze(1), 0.0)
     if kl_penalty is not None:
         rewards = rewards - coef * kl_penalty.detach().float()
     return torch.where(mask, rewards, 0.0)  # [B, T]

@@ -31,6 +31,9 @@ Simplifications:
   `reinforce_pp` normalises over all of them whatever their sizes, counting each sample's
   trained response tokens (none for a masked truncated response) under
   `advantage.normalise_over="tokens"`.
+- Per-token rewards (`token_rewards`, an episode's per-turn rewards) travel in the same
+  [B, L-1] layout as `response_mask`; only GAE reads them (`miles.trainer.scoring`), the
+  group estimators train on the sample's scalar `reward` (its return).
 - Episodes (1.4, a sample with a `loss_mask`): the row is the prompt and the whole episode, the
   observation tokens are context, and `response_mask` marks the policy's tokens only, so every
   loss, KL, entropy, importance weight and metric downstream (all of them read this mask) counts
@@ -88,6 +91,8 @@ class MicroBatch:
     sample_ids: tuple[tuple[str, int], ...]  # [B] (group_id, index in group.samples)
     layout: torch.Tensor | None = None  # packed: [B, L-1] int64 index of each sample's target
     # t among the R x (T-1) predictions, flattened (0 past the sample's end); None: padded
+    token_rewards: torch.Tensor | None = None  # [B, L-1] float32 the wire `token_rewards`
+    # aligned with `response_mask` (target t: the sample's token t+1), 0 elsewhere; None: none
 
     @property
     def targets(self) -> torch.Tensor:
@@ -235,6 +240,7 @@ def collate(lines: list[list[_Row]], sampling: SamplingSetting, *, pad_id: int,
     width = max(r.length for r in rows)  # L: the per-sample layout
     response_mask = torch.zeros((len(rows), width - 1), dtype=torch.bool)  # [B, L-1]
     behaviour = torch.zeros((len(rows), width - 1), dtype=torch.float32)  # [B, L-1]
+    steps = torch.zeros((len(rows), width - 1), dtype=torch.float32)  # [B, L-1]
     length = max(line_length(line) for line in lines)  # T
     input_ids = torch.full((len(lines), length), pad_id, dtype=torch.int64)  # [R, T]
     position_ids = torch.zeros((len(lines), length), dtype=torch.int64)  # [R, T]
@@ -252,6 +258,9 @@ def collate(lines: list[list[_Row]], sampling: SamplingSetting, *, pad_id: int,
             if row.trained:  # targets p..n-1 (predicted at p-1..n-2): the policy's tokens
                 response_mask[b, p - 1:n - 1] = torch.from_numpy(row.sample.policy_mask)
             behaviour[b, p - 1:n - 1] = torch.from_numpy(row.sample.logprobs.astype(np.float32))
+            if row.sample.token_rewards is not None:
+                steps[b, p - 1:n - 1] = torch.from_numpy(
+                    row.sample.token_rewards.astype(np.float32))
             offset += n
             b += 1
         attention_mask[r, :offset] = 1
@@ -263,7 +272,7 @@ def collate(lines: list[list[_Row]], sampling: SamplingSetting, *, pad_id: int,
         advantages=torch.tensor([r.advantage for r in rows], dtype=torch.float32),
         rewards=torch.tensor([r.reward for r in rows], dtype=torch.float32),
         sampling=sampling, sample_ids=tuple(r.sample_id for r in rows),
-        layout=layout if packed else None)
+        layout=layout if packed else None, token_rewards=steps)
 
 
 def make_micro_batches(groups: list[TrajectoryGroup], *, max_tokens: int, pad_id: int = 0,

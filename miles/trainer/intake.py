@@ -26,6 +26,11 @@ Simplifications:
   (`Sample.policy_versions`, `TrajectoryGroup.min_version`): observation tokens (version -1)
   were sampled by no policy. A row is the whole episode (prompt + every turn's tokens): the
   length rule counts observation tokens, which the trainer's forward holds like any other.
+- A token reward on an observation token is refused rather than moved to the policy token
+  before it: the episode builder never writes one there (docs/wire-format.md, Episodes), a
+  foreign producer that does has a bug to surface, and there may be no policy token before it
+  (a `loss_mask` without `turn_ends` may open with observations). Moving it would also guess
+  at which action earned it.
 - Sampling parameters must be numbers of the right kind (an int `top_k`, no bools, no strings
   such as "0.7"): a foreign writer's string is a bug to surface, not a value to guess at.
 """
@@ -109,7 +114,8 @@ def check_group(group: TrajectoryGroup, limits: TrainerLimits, *,
     return (check_sampling(group, limits) or check_overlong(group, limits)
             or check_vocabulary(group, limits)
             or check_lengths(group, limits) or check_versions(group, policy_version)
-            or check_rewards(group, limits) or check_advantages(group, limits))
+            or check_rewards(group, limits) or check_reward_positions(group)
+            or check_advantages(group, limits))
 
 
 def _number(value: object) -> bool:
@@ -199,6 +205,22 @@ def check_rewards(group: TrajectoryGroup, limits: TrainerLimits) -> Rejection | 
             return Rejection("rewards", f"samples[{i}].token_rewards",
                              f"|{float(rewards[k]):g}| at index {k} is above "
                              f"loop.intake.max_abs_reward = {bound:g}")
+    return None
+
+
+def check_reward_positions(group: TrajectoryGroup) -> Rejection | None:
+    """No token reward on an episode's observation token (loss_mask 0): GAE gives a reward to
+    the policy token whose action earned it, and an observation token is no action."""
+    for i, sample in enumerate(group.samples):
+        rewards, mask = sample.token_rewards, sample.loss_mask
+        if rewards is None or mask is None:
+            continue
+        off = np.flatnonzero((rewards != 0) & (mask == 0))
+        if off.size:
+            k = int(off[0])
+            return Rejection("rewards", f"samples[{i}].token_rewards",
+                             f"{float(rewards[k]):g} at index {k} is on an observation token "
+                             "(loss_mask 0); a turn's reward goes on its last policy token")
     return None
 
 

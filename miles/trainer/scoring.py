@@ -159,12 +159,17 @@ def prepare(scorer: Scorer, slices: list[list[MicroBatch]], algorithm: Algorithm
 
 def prepare_gae(scorer: Scorer, batch: MicroBatch, extra: Prepared,
                 a: AlgorithmConfig, kl_coef: float) -> None:
+    """The critic's old values of `batch` and its raw GAE advantages and returns, into `extra`.
+    GAE's rewards: the sample's `token_rewards` at its policy tokens, the rest of its (shaped)
+    `reward` on its last policy token, minus the KL penalty under `kl_in_reward`."""
     mask = batch.response_mask.to(scorer.device)  # [B, L-1]
     extra.old_values = scorer.values(batch)  # [B, L-1]
     penalty = None
     if a.kl_in_reward:  # InstructGPT: k1 KL of the sampling policy to the reference
         penalty = kl_estimate(batch.behaviour_logprobs.to(scorer.device), extra.reference, "k1")
-    rewards = token_rewards(batch.rewards.to(scorer.device), mask, penalty, kl_coef)
+    steps = None if batch.token_rewards is None else batch.token_rewards.to(scorer.device)
+    rewards = token_rewards(batch.rewards.to(scorer.device), mask, penalty, kl_coef,
+                            steps=steps)  # [B, L-1]: per-turn rewards, the rest at the end
     extra.advantages, extra.returns = gae_advantages(rewards, extra.old_values, mask,
                                                      gamma=a.gamma, lam=a.lam)
 

@@ -169,3 +169,26 @@ def test_packed_padding_is_a_sequence_of_its_own_and_the_budget_counts_lines():
     for b in batches:
         rows, width = b.input_ids.shape
         assert width <= longest and rows * width <= 40
+
+
+def test_token_rewards_align_with_the_response_mask_padded_and_packed():
+    """Prompt [7, 8]; an episode of T = 5 (turn 1: policy 0, 1, observation 2; turn 2: policy 3,
+    4) with turn rewards 0.5 on token 1 and 2.0 on token 4, and a single-turn sample without
+    token rewards. Response token t is target p - 1 + t = 1 + t of the row."""
+    from tests.factories import make_episode
+
+    rewards = np.array([0.0, 0.5, 0.0, 0.0, 2.0], np.float32)
+    episode = make_episode([(2, 1), (2, 0)], vocab_size=50, token_rewards=rewards, reward=3.0)
+    single = make_sample(2, vocab_size=50, seed=4)
+    group = make_group(prompt_token_ids=np.array([7, 8], np.int32), samples=[episode, single],
+                       vocab_size=50)
+    (padded,) = make_micro_batches([group], max_tokens=100, pad_id=PAD)
+    (packed,) = make_micro_batches([group], max_tokens=100, pad_id=PAD, packed=True)
+    assert padded.sample_ids == (("g-0", 0), ("g-0", 1))  # longest first
+    expected = torch.tensor([[0.0, 0.0, 0.5, 0.0, 0.0, 2.0],
+                             [0.0, 0.0, 0.0, 0.0, 0.0, 0.0]])  # [B, L-1]
+    assert padded.response_mask.tolist() == [[False, True, True, False, True, True],
+                                             [False, True, True, False, False, False]]
+    assert torch.equal(padded.token_rewards, expected)
+    assert torch.equal(packed.token_rewards, expected)
+    assert idle_micro_batch().token_rewards is None

@@ -80,6 +80,19 @@ def test_per_turn_rewards_are_bounded_like_token_rewards():
     assert (rejection.rule, rejection.field) == ("rewards", "samples[0].token_rewards")
 
 
+def test_a_token_reward_on_an_observation_token_is_refused():
+    """GAE credits a reward to the policy token whose action earned it; on an observation token
+    (index 7: turn 1's observation, after policy tokens 0, 1) there is none to credit."""
+    rewards = np.zeros(15, np.float32)
+    rewards[1] = 0.5  # turn 1's last policy token: admitted
+    assert check_group(episode_group(token_rewards=rewards), LIMITS, policy_version=5) is None
+    rewards[7] = -0.25
+    rejection = check_group(episode_group(token_rewards=rewards), LIMITS, policy_version=5)
+    assert (rejection.rule, str(rejection)) == (
+        "rewards", "samples[0].token_rewards: -0.25 at index 7 is on an observation token "
+        "(loss_mask 0); a turn's reward goes on its last policy token")
+
+
 def test_a_single_turn_sample_beside_an_episode_keeps_its_rules():
     group = episode_group()
     single = Sample(response_token_ids=np.array([5, 6], np.int32),
