@@ -92,7 +92,8 @@ class MicroBatch:
     layout: torch.Tensor | None = None  # packed: [B, L-1] int64 index of each sample's target
     # t among the R x (T-1) predictions, flattened (0 past the sample's end); None: padded
     token_rewards: torch.Tensor | None = None  # [B, L-1] float32 the wire `token_rewards`
-    # aligned with `response_mask` (target t: the sample's token t+1), 0 elsewhere; None: none
+    # aligned with `response_mask` (target t: the sample's token t+1), 0 elsewhere (and for a
+    # sample without them); None: no sample of the micro-batch has any
 
     @property
     def targets(self) -> torch.Tensor:
@@ -272,7 +273,8 @@ def collate(lines: list[list[_Row]], sampling: SamplingSetting, *, pad_id: int,
         advantages=torch.tensor([r.advantage for r in rows], dtype=torch.float32),
         rewards=torch.tensor([r.reward for r in rows], dtype=torch.float32),
         sampling=sampling, sample_ids=tuple(r.sample_id for r in rows),
-        layout=layout if packed else None, token_rewards=steps)
+        layout=layout if packed else None,
+        token_rewards=steps if any(r.sample.token_rewards is not None for r in rows) else None)
 
 
 def make_micro_batches(groups: list[TrajectoryGroup], *, max_tokens: int, pad_id: int = 0,

@@ -158,13 +158,17 @@ def aggregated_loss(learner: Learner, groups: list) -> float:
     return total
 
 
-def gae_by_hand(values: list[float], reward: float, lam: float = 0.95) -> tuple[list, list]:
-    """A_k and returns_k over a response's (or an episode's policy) tokens k = 1..m in order
-    (gamma = 1): delta_k = r_k + V_{k+1} - V_k with V_{m+1} = 0 and the outcome reward on k = m."""
+def gae_by_hand(values: list[float], reward: float, lam: float = 0.95, *, gamma: float = 1.0,
+                steps: list[float] | None = None) -> tuple[list, list]:
+    """A_k and returns_k over a response's (or an episode's policy) tokens k = 1..m in order:
+    delta_k = r_k + gamma V_{k+1} - V_k with V_{m+1} = 0; r_k is `steps[k]` (the token rewards
+    at the policy tokens; default none) plus, on k = m, what they leave of the outcome reward."""
     n, advantages, running = len(values), [0.0] * len(values), 0.0
+    steps = steps or [0.0] * n
     for k in reversed(range(n)):
         following = values[k + 1] if k + 1 < n else 0.0
-        delta = (reward if k == n - 1 else 0.0) + following - values[k]
-        running = delta + lam * running
+        rest = reward - sum(steps) if k == n - 1 else 0.0
+        delta = steps[k] + rest + gamma * following - values[k]
+        running = delta + gamma * lam * running
         advantages[k] = running
     return advantages, [a + v for a, v in zip(advantages, values)]

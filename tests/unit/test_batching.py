@@ -191,4 +191,6 @@ def test_token_rewards_align_with_the_response_mask_padded_and_packed():
                                              [False, True, True, False, False, False]]
     assert torch.equal(padded.token_rewards, expected)
     assert torch.equal(packed.token_rewards, expected)
+    group.samples[:] = [single]  # no sample with token rewards: none to carry
+    assert make_micro_batches([group], max_tokens=100, pad_id=PAD)[0].token_rewards is None
     assert idle_micro_batch().token_rewards is None
