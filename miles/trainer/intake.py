@@ -218,7 +218,7 @@ def check_reward_positions(group: TrajectoryGroup) -> Rejection | None:
         off = np.flatnonzero((rewards != 0) & (mask == 0))
         if off.size:
             k = int(off[0])
-            return Rejection("rewards", f"samples[{i}].token_rewards",
+            return Rejection("reward_positions", f"samples[{i}].token_rewards",
                              f"{float(rewards[k]):g} at index {k} is on an observation token "
                              "(loss_mask 0); a turn's reward goes on its last policy token")
     return None

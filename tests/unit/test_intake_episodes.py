@@ -89,7 +89,7 @@ def test_a_token_reward_on_an_observation_token_is_refused():
     rewards[7] = -0.25
     rejection = check_group(episode_group(token_rewards=rewards), LIMITS, policy_version=5)
     assert (rejection.rule, str(rejection)) == (
-        "rewards", "samples[0].token_rewards: -0.25 at index 7 is on an observation token "
+        "reward_positions", "samples[0].token_rewards: -0.25 at index 7 is on an observation token "
         "(loss_mask 0); a turn's reward goes on its last policy token")
 
 
