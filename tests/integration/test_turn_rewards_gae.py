@@ -1,8 +1,9 @@
 """Per-turn rewards reach PPO's GAE through the real Learner (batching, scoring, the step).
 
 The batch: one group of two episodes (1.4) with their behaviour logprobs the learner's own.
-Episode 0 has two turns of 3 policy tokens (6 observation tokens between, T = 12) and earns its whole
-return, 1.0, in turn 1: `token_rewards` 1.0 on its token 2 (turn 1's last policy token).
+Episode 0 has two turns of 3 policy tokens (6 observation tokens between, T = 12) and earns
+its whole return, 1.0, in turn 1: `token_rewards` 1.0 on its token 2 (turn 1's last policy
+token).
 Episode 1 (2 + 2 policy tokens) has return 0.5 and `token_rewards` all 0. PPO with gamma 0.9,
 lam 0.95, one update per step; the value head's bias is 0.3, so every bootstrap term matters.
 
