@@ -16,6 +16,7 @@ import pytest
 from miles.envs import load_environment
 from miles.episodes import EpisodeSettings
 from miles.experience.stats import format_stats, stats
+from miles.experience.tail import tail
 from miles.protocol import DeadLetter, Heartbeat, PromptTask, TrajectoryGroup, decode, encode
 from miles.protocol.topics import topic_name
 from miles.rl.sampling import SamplingParams
@@ -152,6 +153,11 @@ async def test_failed_episodes_are_dead_lettered_counted_and_never_published(
     assert summary["dlq"]["failed_episodes"] == {"records": 2, "kinds": {"env_error": 2}}
     assert summary["dlq"]["records"] == 0  # no record of the trajectories range was rejected
     assert "failed episodes   2 (env_error: 2) in the run's DLQ" in format_stats(summary)
+    shown = [line async for line in tail(bus, run, "dlq", start="earliest", limit=2)]
+    for line in shown:
+        assert ": episode failed: env_error: step raised RuntimeError" in line, line
+        assert " | group crash/e0/producer-0/" in line and " finish abort:1 " in line, line
+        assert " turns [2] policy " in line, line
 
 
 async def read_letters(bus, run, *, count: int) -> list[tuple[bytes, DeadLetter]]:
