@@ -5,7 +5,8 @@ Three loops share one engine:
   `n` responses each in the engine's executor thread, score each group with one `Scorer` call
   (groups one after another: a reward model's call never waits, timer running, behind another),
   or, with an environment (`env=`), play `n` episodes per prompt (`miles.rollout_groups`,
-  `miles.episodes`); publish one `TrajectoryGroup` per prompt, then commit the prompts
+  `miles.episodes`); publish one `TrajectoryGroup` per prompt, dead-letter each failed
+  episode (about its prompt's record, `miles.rollout_groups`), then commit the prompts
   (`miles.bus.commits`). When
   a rebalance or a graceful stop revokes partitions, the revocation waits for the batch in
   flight and commits what is published, so graceful membership changes duplicate nothing. A
@@ -45,7 +46,7 @@ from pathlib import Path
 from miles.admission import TrainerView, required_version
 from miles.bus import Bus, TopicPartition
 from miles.bus.commits import DoneOffsets
-from miles.bus.decoding import DecodingConsumer
+from miles.bus.decoding import Decoded, DecodingConsumer
 from miles.engines.base import RolloutEngine, prompt_problem
 from miles.envs import EnvironmentFactory
 from miles.episodes import EpisodeSettings
@@ -176,7 +177,7 @@ class RolloutWorker:
         try:
             tasks = await self._takeable(prompts, batch)
             if tasks:
-                await self._roll_out(tasks)
+                await self._roll_out(prompts, tasks)
             self.commits.done(prompts.polled)
         except EngineError as err:
             self.commits.abandon()
@@ -187,7 +188,7 @@ class RolloutWorker:
         await self.commits.commit()
 
     async def _takeable(self, prompts: DecodingConsumer,
-                        batch) -> list[tuple[PromptTask, list[int]]]:
+                        batch: list[Decoded]) -> list[tuple[Decoded, list[int]]]:
         """Each prompt of `batch` with its token ids, except those no engine of this vocabulary
         can take (empty, ids outside it): bad data, not an engine failure, so they are
         dead-lettered (and committed past with the batch) instead of retried."""
@@ -196,7 +197,7 @@ class RolloutWorker:
             ids = self._prompt_ids(item.value)
             problem = prompt_problem(ids, self.engine.vocab_size)
             if problem is None:
-                takeable.append((item.value, ids))
+                takeable.append((item, ids))
                 continue
             self.counts["producer/bad_prompts"] += 1
             await prompts.dead_letter(item.record, f"prompt_token_ids: prompt {problem} of "
@@ -251,16 +252,24 @@ class RolloutWorker:
             self._waiting_since = now
         self.waiting = waiting
 
-    async def _roll_out(self, batch: list[tuple[PromptTask, list[int]]]) -> None:
+    async def _roll_out(self, prompts: DecodingConsumer,
+                        items: list[tuple[Decoded, list[int]]]) -> None:
+        """Generate the groups of `items`, publish them, and dead-letter the batch's failed
+        episodes (`rollout_groups.FailedEpisode`) as letters about their prompts."""
         began = time.perf_counter()
-        self._in_flight = len(batch)
+        self._in_flight = len(items)
         self._sequence += 1
+        batch = [(item.value, ids) for item, ids in items]
         groups = await self.groups.groups(batch, self.config.seed * 1_000_003 + self._sequence,
                                           self._sequence)
         pending = [await self.bus.send(self._topic("trajectories"), encode(g),
                                        key=g.task_id.encode()) for g in groups]
         for delivery in pending:
             await delivery
+        for failed in self.groups.failed:
+            await prompts.dead_letter(items[failed.index][0].record, failed.reason,
+                                      f"episode/{failed.kind}", part=failed.part,
+                                      payload=failed.payload)
         self._in_flight = 0
         self.counts["producer/groups"] += len(groups)
         self.counts["producer/tokens"] += sum(s.policy_tokens for g in groups for s in g.samples)

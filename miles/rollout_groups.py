@@ -6,8 +6,13 @@
   each prompt's finished episodes are its group. A failed episode (its environment raised or
   timed out, its chat template broke the token prefix, its task was malformed) is counted by
   kind and left out of the group: the trainer has no way yet to skip a sample (it would train
-  an "abort" sample like any other), so a failed episode never reaches it. A prompt whose
-  episodes all failed publishes no group (`producer/empty_groups`). The group's prompt is its
+  an "abort" sample like any other), so a failed episode never reaches it. It is recorded
+  instead: each batch's failed episodes (`failed`) are dead-lettered by the worker (the DLQ,
+  keyed by the prompt's record and `episode-<i>`), with the reason
+  `episode failed: <kind>: <message>` and, as payload, a `TrajectoryGroup` holding the
+  episode's sample (finish reason "abort", its failure as `error`, `episode["failed"]` its
+  kind; no payload when no turn was played). A prompt whose episodes all failed publishes no
+  group (`producer/empty_groups`). The group's prompt is its
   episodes' first prompt; an episode whose environment opened with another prompt (a `reset`
   that varies) fails as `prompt_mismatch`. The group's `sampling.max_new_tokens` is the limit
   on a sample's length T, as wire-format.md asks of episodes: `episodes.max_total_tokens`
@@ -22,13 +27,16 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import numpy as np
 
 from miles.engines.base import Completion, RolloutEngine
 from miles.envs import EnvironmentFactory
 from miles.episodes import EpisodeRecord, EpisodeRunner, EpisodeSettings, is_single_turn
-from miles.protocol import PromptTask, Sample, TrajectoryGroup
+from miles.errors import CodecError
+from miles.protocol import PromptTask, Sample, TrajectoryGroup, encode
+from miles.protocol.records import failed_episode_reason
 from miles.rl.sampling import SamplingParams
 from miles.tasks.rewards import Scored, Scorer
 
@@ -36,6 +44,17 @@ log = logging.getLogger(__name__)
 Batch = list[tuple[PromptTask, list[int]]]
 EPISODE_COUNTERS = ("episodes", "turns", "tool_calls", "tool_errors", "env_s",
                     "failed_episodes", "truncated_episodes", "empty_groups")
+
+
+@dataclass(frozen=True, slots=True)
+class FailedEpisode:
+    """A failed episode of the last batch, as it is dead-lettered."""
+
+    index: int  # its prompt's position in the batch
+    part: str  # `episode-<i>`: which of the prompt's episodes (the letter's key)
+    reason: str  # "episode failed: <kind>: <message>"
+    kind: str
+    payload: bytes | None  # its encoded group (None: no turn was played, or it does not encode)
 
 
 class GroupBuilder:
@@ -46,11 +65,12 @@ class GroupBuilder:
         self.engine, self.sampling, self.producer_id = engine, sampling, producer_id
         self.counts = counts
         self.generate_s = 0.0  # engine time of the last batch
+        self.failed: list[FailedEpisode] = []  # the last batch's failed episodes
 
     def group(self, task: PromptTask, prompt: list[int], samples: list[Sample], sequence: int,
-              sampling: dict, timings: dict[str, float]) -> TrajectoryGroup:
+              sampling: dict, timings: dict[str, float], suffix: str = "") -> TrajectoryGroup:
         return TrajectoryGroup(
-            group_id=f"{task.task_id}/e{task.epoch}/{self.producer_id}/{sequence}",
+            group_id=f"{task.task_id}/e{task.epoch}/{self.producer_id}/{sequence}{suffix}",
             task_id=task.task_id, epoch=task.epoch,
             prompt_token_ids=np.asarray(prompt, dtype=np.int32), samples=samples,
             producer_id=self.producer_id, engine=self.engine.name,
@@ -114,6 +134,9 @@ class EpisodeGroups(GroupBuilder):
         failed_before = self.counts["producer/failed_episodes"]
         groups = [self._group(task, episodes, sequence)
                   for (task, _), episodes in zip(batch, records)]
+        self.failed = [self._failed(index, task, ids, j, episode, sequence)
+                       for index, ((task, ids), episodes) in enumerate(zip(batch, records))
+                       for j, episode in enumerate(episodes) if episode.failed]
         if self.counts["producer/failed_episodes"] > failed_before:
             log.warning("failed episodes so far (never trained): %s", {
                 k.removeprefix("producer/failed/"): int(v) for k, v in self.counts.items()
@@ -142,6 +165,22 @@ class EpisodeGroups(GroupBuilder):
         return self.group(task, prompt, samples, sequence, self._sampling_wire(),
                           {"generate_s": self.generate_s,
                            "env_s": sum(e.env_s for e in episodes)})
+
+    def _failed(self, index: int, task: PromptTask, prompt: list[int], j: int,
+                episode: EpisodeRecord, sequence: int) -> FailedEpisode:
+        """The dead letter's parts: the reason and the episode's sample in a group of its own
+        (`<group id>/episode-<j>`)."""
+        part, reason = f"episode-{j}", failed_episode_reason(episode.failure)
+        sample = episode.sample(compact=self.compact)
+        payload = None
+        if sample is not None:
+            group = self.group(task, episode.prompt or prompt, [sample], sequence,
+                               self._sampling_wire(), {"env_s": episode.env_s}, f"/{part}")
+            try:
+                payload = encode(group)
+            except CodecError as err:  # what broke the episode may break its sample too
+                reason += f" (its sample does not encode: {err})"
+        return FailedEpisode(index, part, reason, episode.failure_kind, payload)
 
     def _count(self, episode: EpisodeRecord) -> None:
         counts = self.counts

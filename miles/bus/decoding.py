@@ -16,7 +16,8 @@ remembers the records it dead-lettered (the last `REMEMBERED_LETTERS`), so a rec
 again (a rewind, a session expiry or a rebalance that gives its partition back) is not lettered
 twice. What this cannot see: a record re-read after a restart, or by another member that took
 the partition over before the commit covering it, is lettered again under the same key; readers
-of the DLQ (`miles stats`) count letters once per key.
+of the DLQ (`miles stats`) count letters once per key. A producer letters each failed episode
+of a prompt (`part` = `episode-<i>`, its own key) with the episode's group as payload.
 
 Decoding cannot starve the event loop: each record's work is bounded by the codec
 (`MAX_OBJECTS_PER_RECORD`, checked while it builds), and `poll` yields to the loop whenever it
@@ -34,6 +35,7 @@ from dataclasses import dataclass
 from miles.bus.base import Bus, Consumer, Record, TopicPartition
 from miles.errors import CodecError
 from miles.protocol import DeadLetter, WireRecord, decode, encode
+from miles.protocol.records import dead_letter_key
 from miles.protocol.schema import TYPES_BY_NAME
 from miles.protocol.topics import CARRIED, topic_kind
 
@@ -66,7 +68,7 @@ class DecodingConsumer:
         self.counts: Counter[str] = Counter()
         self.dlq_reasons: Counter[str] = Counter()
         self.polled: dict[TopicPartition, int] = {}  # next offsets after the last poll's records
-        self._lettered: dict[tuple[TopicPartition, int], None] = {}  # insertion-ordered
+        self._lettered: dict[tuple[TopicPartition, int, str | None], None] = {}  # ordered
         self._carried_by_topic: dict[str, tuple[type[WireRecord], ...]] = {}
 
     async def poll(self, max_records: int = 500, timeout_s: float = 1.0) -> list[Decoded]:
@@ -108,26 +110,30 @@ class DecodingConsumer:
             self._carried_by_topic[topic] = carried
         return carried
 
-    async def dead_letter(self, record: Record, reason: str, field: str = "record") -> None:
+    async def dead_letter(self, record: Record, reason: str, field: str = "record", *,
+                          part: str | None = None, payload: bytes | None = None) -> None:
         """Send `record` to the DLQ with `reason` (also usable for records rejected later),
-        unless this consumer already did."""
-        seen = (record.tp, record.offset)
+        unless this consumer already did. `part` names one of several letters about `record`
+        (a failed episode of a prompt: its key ends in `/<part>`); such a letter carries
+        `payload` instead of the record's bytes."""
+        seen = (record.tp, record.offset, part)
         if seen in self._lettered:
             self.counts["bus/dlq_repeats"] += 1
             return
         group = self.consumer.group_id
         letter = DeadLetter.for_payload(
             reason=reason, source_topic=record.topic, source_partition=record.partition,
-            source_offset=record.offset, payload=record.value, created_at=time.time(),
-            consumer_group=group, consumer=self.name or group)
-        await self.bus.publish(self.dlq_topic, encode(letter), key=letter.key)
+            source_offset=record.offset, payload=record.value if part is None else payload,
+            created_at=time.time(), consumer_group=group, consumer=self.name or group)
+        key = dead_letter_key(group, record.topic, record.partition, record.offset, part)
+        await self.bus.publish(self.dlq_topic, encode(letter), key=key)
         self._remember(seen)
         self.counts["bus/dlq_records"] += 1
         self.dlq_reasons[field] += 1
-        log.warning("dead-lettered %s[%d]@%d: %s", record.topic, record.partition,
-                    record.offset, reason)
+        log.warning("dead-lettered %s[%d]@%d%s: %s", record.topic, record.partition,
+                    record.offset, "" if part is None else f" ({part})", reason)
 
-    def _remember(self, seen: tuple[TopicPartition, int]) -> None:
+    def _remember(self, seen: tuple[TopicPartition, int, str | None]) -> None:
         self._lettered[seen] = None
         if len(self._lettered) > REMEMBERED_LETTERS:
             del self._lettered[next(iter(self._lettered))]

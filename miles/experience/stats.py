@@ -17,6 +17,10 @@ Choices:
   group that rejects a record writes its own letter, so letters are counted once per source
   record, with the first letter's reason. The DLQ's own offsets or times say nothing about the
   range, so its bounds are not reused.
+- Failed episodes (letters whose reason is `episode failed: <kind>: ...`, written by producers
+  about the prompt an episode was played for) are counted by kind for the whole run, once per
+  letter key: they never reached the trajectories topic, so nothing ties them to a range of
+  it.
 - Percentiles are nearest-rank over a histogram of lengths, so memory does not grow with the
   range.
 """
@@ -34,6 +38,7 @@ from miles.bus.ranges import Bound, parse_bound, read_range, reader_group
 from miles.errors import CodecError
 from miles.experience.rows import read_groups, turns
 from miles.protocol import Command, DeadLetter, TrajectoryGroup, WeightVersion, decode
+from miles.protocol.records import failed_episode_kind
 from miles.protocol.topics import topic_name
 
 log = logging.getLogger(__name__)
@@ -71,20 +76,28 @@ async def announced_versions(bus: Bus, run: str) -> list[tuple[int, int]]:
 
 async def dead_letters_of(bus: Bus, run: str, topic: str,
                           spans: dict[int, tuple[int, int]]) -> dict:
-    """{records, reasons}: dead letters whose source is a record of the range, once each."""
+    """{records, reasons}: dead letters whose source is a record of the range, once each;
+    {failed_episodes: {records, kinds}}: the run's failed episodes by kind, once per key."""
     dlq = topic_name(run, "dlq")
     reasons: dict[tuple[int, int], str] = {}
+    episodes: dict[bytes | None, str] = {}
     async for record in read_range(bus, dlq, *EVERYTHING, group_id=reader_group(run, "stats")):
         try:
             letter = decode(record.value, DeadLetter)
         except CodecError as err:
             log.warning("skipped invalid dead letter %s@%d: %s", dlq, record.offset, err)
             continue
+        kind = failed_episode_kind(letter.reason)
+        if kind is not None:
+            episodes.setdefault(record.key or letter.key, kind)
+            continue
         first, last = spans.get(letter.source_partition, (0, -1))
         if letter.source_topic == topic and first <= letter.source_offset <= last:
             reasons.setdefault((letter.source_partition, letter.source_offset), letter.reason)
     counted = Counter(reasons.values())
-    return {"records": len(reasons), "reasons": dict(counted.most_common())}
+    kinds = Counter(episodes.values())
+    return {"records": len(reasons), "reasons": dict(counted.most_common()),
+            "failed_episodes": {"records": len(episodes), "kinds": dict(kinds.most_common())}}
 
 
 @dataclass
@@ -245,8 +258,16 @@ def format_stats(summary: dict) -> str:
         *_episode_lines(summary["episodes"]),
         f"dead letters      {summary['dlq']['records']} records of this range",
         *(f"  {n:>5}  {reason}" for reason, n in summary["dlq"]["reasons"].items()),
+        *_failed_lines(summary["dlq"]["failed_episodes"]),
     ]
     return "\n".join(lines)
+
+
+def _failed_lines(failed: dict) -> list[str]:
+    if not failed["records"]:
+        return []
+    return [f"failed episodes   {failed['records']} ({_pairs(failed['kinds'])}) in the "
+            f"run's DLQ, never trained"]
 
 
 def _episode_lines(episodes: dict) -> list[str]:

@@ -7,7 +7,7 @@ Choices:
   that publishes afterwards misses nothing.
 - Records are shown as they arrive: each partition in order, partitions interleaved as fetched.
 - A record that does not decode as the topic's record type is shown as INVALID with the codec's
-  reason. The raw view unpacks the msgpack envelope and checks nothing else: an array map whose
+  reason. A failed episode's dead letter also shows its payload's group (turns, policy tokens). The raw view unpacks the msgpack envelope and checks nothing else: an array map whose
   dtype and size agree is shown as its numbers, any other bytes as hex (the first
   `BYTES_SHOWN`). Nothing is ever unpickled or evaluated.
 """
@@ -30,6 +30,7 @@ from miles.protocol import (FLOAT_DTYPE, TOKEN_DTYPE, Command, DeadLetter, Heart
 from miles.experience.rows import turns
 from miles.protocol.codec import unpack
 from miles.protocol.limits import MASK_DTYPE
+from miles.protocol.records import failed_episode_kind
 from miles.protocol.topics import topic_name
 
 EXPECTED = {"prompts": PromptTask, "trajectories": TrajectoryGroup,
@@ -111,11 +112,23 @@ def summarize(value: WireRecord) -> str:
         case DeadLetter():
             by = f" by {value.consumer} ({value.consumer_group})" if value.consumer_group else ""
             return (f"dead_letter from {value.source_topic}[{value.source_partition}]@"
-                    f"{value.source_offset} ({value.payload_size} bytes){by}: {value.reason}")
+                    f"{value.source_offset} ({value.payload_size} bytes){by}: {value.reason}"
+                    + _failed_episode(value))
         case PromptTask():
             return (f"prompt_task {value.task_id} epoch {value.epoch} {_text(value.prompt)}"
                     + (f" reference {_text(value.reference)}" if value.reference else ""))
     return type(value).__name__
+
+
+def _failed_episode(letter: DeadLetter) -> str:
+    """` | group ...` (the payload's group, described) for a failed episode's letter whose
+    payload decodes; else nothing."""
+    if failed_episode_kind(letter.reason) is None or not letter.payload:
+        return ""
+    try:
+        return f" | {summarize(decode(letter.payload, TrajectoryGroup))}"
+    except CodecError as err:
+        return f" | payload INVALID {err}"
 
 
 def plain(value: object) -> object:

@@ -211,7 +211,11 @@ class Heartbeat(WireRecord):
 
 @dataclass(frozen=True, kw_only=True, eq=False)
 class DeadLetter(WireRecord):
-    """A record a consumer rejected (dlq topic): why, where it came from, and its raw bytes."""
+    """A record a consumer rejected (dlq topic): why, where it came from, and its raw bytes.
+
+    A producer also letters each failed episode (never trained): its source is the prompt the
+    episode was played for, its reason `failed_episode_reason(...)`, its payload the episode's
+    sample in a `TrajectoryGroup` (empty when no turn was played)."""
 
     wire_type: ClassVar[str] = "dead_letter"
 
@@ -219,8 +223,8 @@ class DeadLetter(WireRecord):
     source_topic: str
     source_partition: int
     source_offset: int
-    payload: bytes  # the rejected bytes, truncated to MAX_DEAD_LETTER_PAYLOAD_BYTES
-    payload_size: int  # length of the rejected record before truncation
+    payload: bytes  # the rejected bytes (a failed episode's group), capped (limits.py)
+    payload_size: int  # length of the payload before truncation
     consumer_group: str | None = None  # the rejecting consumer's group (1.3)
     consumer: str | None = None  # who in the group rejected it, e.g. "producer-0" (1.3)
     created_at: float
@@ -246,9 +250,29 @@ class DeadLetter(WireRecord):
                                self.source_offset)
 
 
-def dead_letter_key(group: str | None, topic: str, partition: int, offset: int) -> bytes:
-    """`<consumer_group>/<source_topic>/<partition>/<offset>` (an empty group when unnamed)."""
-    return f"{group or ''}/{topic}/{partition}/{offset}".encode()
+def dead_letter_key(group: str | None, topic: str, partition: int, offset: int,
+                    part: str | None = None) -> bytes:
+    """`<consumer_group>/<source_topic>/<partition>/<offset>` (an empty group when unnamed),
+    then `/<part>` for one of several letters about one record (`episode-<i>`: the i-th
+    episode played for a prompt)."""
+    key = f"{group or ''}/{topic}/{partition}/{offset}"
+    return (key if part is None else f"{key}/{part}").encode()
+
+
+FAILED_EPISODE = "episode failed: "
+"""How a failed episode's dead letter reason starts: `episode failed: <kind>: <message>`."""
+
+
+def failed_episode_reason(failure: str) -> str:
+    """The letter reason of an episode that failed with `failure` ("<kind>: <message>")."""
+    return FAILED_EPISODE + failure
+
+
+def failed_episode_kind(reason: str) -> str | None:
+    """The failure kind of a failed episode's letter reason; None for any other reason."""
+    if not reason.startswith(FAILED_EPISODE):
+        return None
+    return reason.removeprefix(FAILED_EPISODE).partition(":")[0].strip() or None
 
 
 RecordT = TypeVar("RecordT", bound=WireRecord)

@@ -1,7 +1,8 @@
 """A producer with an environment, end to end on both buses: calculator-tool episodes are
 published as 1.4 episode groups that decode with the right masks, versions and turn ends; a
-failing environment's episodes are counted (counters and heartbeat) and never published; with
-no environment the published samples carry no episode fields."""
+failing environment's episodes are counted (counters and heartbeat), dead-lettered with their
+reason and sample (and counted by kind in `miles stats`), and never published; with no
+environment the published samples carry no episode fields."""
 
 from __future__ import annotations
 
@@ -14,7 +15,9 @@ import pytest
 
 from miles.envs import load_environment
 from miles.episodes import EpisodeSettings
-from miles.protocol import Heartbeat, PromptTask, TrajectoryGroup, decode, encode
+from miles.experience.stats import format_stats, stats
+from miles.experience.tail import tail
+from miles.protocol import DeadLetter, Heartbeat, PromptTask, TrajectoryGroup, decode, encode
 from miles.protocol.topics import topic_name
 from miles.rl.sampling import SamplingParams
 from miles.rollout import RolloutConfig, RolloutWorker
@@ -110,7 +113,8 @@ async def test_calculator_episodes_are_published_as_episode_groups(bus, run, cha
                                             for s in g.samples)
 
 
-async def test_failed_episodes_are_counted_and_never_published(bus, run, chat_tokenizer_dir):
+async def test_failed_episodes_are_dead_lettered_counted_and_never_published(
+        bus, run, chat_tokenizer_dir):
     engine = ScriptedEngine(chat_tokenizer_dir, lambda prompt: "ok")
     await feed_tasks(bus, run, {
         "crash": {"prompt": "1*1=", "metadata": {"fail_at": 2}},
@@ -126,6 +130,47 @@ async def test_failed_episodes_are_counted_and_never_published(bus, run, chat_to
     assert counts["producer/empty_groups"] == 1 and counts["producer/episodes"] == 4
     extra = beats[-1].extra
     assert extra["failed_episodes"] == 2 and extra["failed_env_error"] == 2
+
+    letters = await read_letters(bus, run, count=2)
+    assert len(letters) == counts["producer/failed_episodes"]
+    assert len({key for key, _ in letters}) == 2  # one key per episode
+    prompts = topic_name(run, "prompts")
+    for _, letter in letters:
+        assert letter.reason == ("episode failed: env_error: step raised RuntimeError: the "
+                                 "simulator crashed"), letter.reason
+        assert (letter.source_topic, letter.consumer) == (prompts, "producer-0")
+        assert letter.consumer_group == f"miles.{run}.producers"
+        group = decode(letter.payload, TrajectoryGroup)  # the episode, as it would have gone
+        assert letter.payload_size == len(letter.payload)
+        assert group.task_id == "crash" and len(group.samples) == 1
+        assert group.prompt_token_ids.tolist() == engine.encode("1*1=")
+        (sample,) = group.samples
+        assert sample.finish_reason == "abort" and sample.episode["failed"] == "env_error"
+        assert sample.error == letter.reason.removeprefix("episode failed: ")
+        assert len(sample.turn_ends) == 2 and sample.episode["turns"] == 2  # crashed on 2
+        assert sample.loss_mask.sum() == 2 * len(engine.encode("ok") + [engine.eos_token_id])
+    summary = await stats(bus, run)
+    assert summary["dlq"]["failed_episodes"] == {"records": 2, "kinds": {"env_error": 2}}
+    assert summary["dlq"]["records"] == 0  # no record of the trajectories range was rejected
+    assert "failed episodes   2 (env_error: 2) in the run's DLQ" in format_stats(summary)
+    shown = [line async for line in tail(bus, run, "dlq", start="earliest", limit=2)]
+    for line in shown:
+        assert ": episode failed: env_error: step raised RuntimeError" in line, line
+        assert " | group crash/e0/producer-0/" in line and " finish abort:1 " in line, line
+        assert " turns [2] policy " in line, line
+
+
+async def read_letters(bus, run, *, count: int) -> list[tuple[bytes, DeadLetter]]:
+    """The run's dead letters (Kafka key, letter): `count` of them, then whatever else comes
+    within a short wait."""
+    letters = []
+    async with bus.consumer([topic_name(run, "dlq")], group_id="audit-dlq") as audit:
+        deadline = time.monotonic() + WAIT_S
+        while len(letters) < count and time.monotonic() < deadline:
+            letters += [(r.key, decode(r.value, DeadLetter))
+                        for r in await audit.poll(timeout_s=0.2)]
+        letters += [(r.key, decode(r.value, DeadLetter)) for r in await audit.poll(timeout_s=0.5)]
+    return letters
 
 
 async def test_without_an_environment_samples_are_single_turn(bus, run, chat_tokenizer_dir):

@@ -227,7 +227,8 @@ async def test_stats_match_the_hand_computed_numbers(bus, run):
     assert summary["engines"] == {"hf": 3, "vllm": 1}
     assert summary["timings_mean_s"] == {"generate_s": 1.0, "queue_s": 2.0, "reward_s": 0.25}
     assert summary["dlq"] == {"records": 1,
-                              "reasons": {"samples[0].logprobs: not finite": 1}}
+                              "reasons": {"samples[0].logprobs: not finite": 1},
+                              "failed_episodes": {"records": 0, "kinds": {}}}
     json.dumps(summary)  # JSON-ready as is
 
 
@@ -238,7 +239,7 @@ async def test_stats_of_a_bounded_range(bus, run):
     assert counted == (2, 1, 1, 1)
     early = await stats(bus, run, "earliest", "1")  # a, b, c: no dead letter belongs here
     assert (early["groups"], early["invalid"]["records"], early["dlq"]) == (
-        3, 0, {"records": 0, "reasons": {}})
+        3, 0, {"records": 0, "reasons": {}, "failed_episodes": {"records": 0, "kinds": {}}})
 
 
 async def collect(lines, timeout_s: float = 60) -> list[str]:

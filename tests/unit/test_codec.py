@@ -13,6 +13,7 @@ from miles.protocol import (MAX_DEAD_LETTER_PAYLOAD_BYTES, MAX_RECORD_BYTES, MAX
                             MAX_TOKENS_PER_SEQUENCE, SCHEMA_VERSION, Command, DeadLetter,
                             PromptTask, TrajectoryGroup, WeightVersion, decode, encode)
 from miles.protocol.fields import FieldReader
+from miles.protocol.records import dead_letter_key, failed_episode_kind, failed_episode_reason
 from miles.protocol.schema import read_plain_sample, read_sample
 from tests.factories import (VOCAB_SIZE, array_map, make_command, make_dead_letter, make_group,
                              make_heartbeat, make_prompt_task, make_records, make_sample,
@@ -111,6 +112,15 @@ def test_dead_letter_for_payload_truncates_and_keeps_the_size():
     assert len(letter.payload) == MAX_DEAD_LETTER_PAYLOAD_BYTES
     assert letter.payload_size == len(payload)
     assert decode(encode(letter)) == letter
+
+
+def test_failed_episode_letters_have_a_kind_and_a_key_each():
+    reason = failed_episode_reason("env_timeout: step took longer than 5 s")
+    assert reason == "episode failed: env_timeout: step took longer than 5 s"
+    assert failed_episode_kind(reason) == "env_timeout"
+    assert failed_episode_kind("samples[0].logprobs: not finite") is None
+    assert dead_letter_key("g", "t", 1, 7) == b"g/t/1/7"
+    assert dead_letter_key("g", "t", 1, 7, "episode-2") == b"g/t/1/7/episode-2"
 
 
 # --- encode: friendly conversions and the same checks as decode ---------------------------------
