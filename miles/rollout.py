@@ -389,11 +389,16 @@ class RolloutWorker:
 
 
 def episode_extras(counts: dict[str, float]) -> dict[str, int | float]:
-    """The heartbeat's episode counters: episodes, turns, tool calls and errors, env seconds,
-    failed episodes (and `failed_<kind>` by reason), truncated ones, empty groups."""
+    """The heartbeat's episode counters: episodes, turns, tool calls and errors, environment
+    seconds and the producer's own seconds on episodes (totals, and per episode as
+    `env_s_per_episode`, `work_s_per_episode`), failed episodes (and `failed_<kind>` by
+    reason), truncated ones, empty groups."""
     out: dict[str, int | float] = {name: round(counts[f"producer/{name}"], 3)
-                                   if name == "env_s" else int(counts[f"producer/{name}"])
+                                   if name.endswith("_s") else int(counts[f"producer/{name}"])
                                    for name in EPISODE_COUNTERS}
+    episodes = max(counts["producer/episodes"], 1)
+    out["env_s_per_episode"] = round(counts["producer/env_s"] / episodes, 4)
+    out["work_s_per_episode"] = round(counts["producer/work_s"] / episodes, 4)
     out.update({f"failed_{key.removeprefix('producer/failed/')}": int(value)
                 for key, value in counts.items() if key.startswith("producer/failed/")})
     return out

@@ -19,6 +19,7 @@
   (`turn_tokens` records the per-turn limit).
 
 Counters (`producer/...`): `episodes`, `turns`, `tool_calls`, `tool_errors`, `env_s`,
+`work_s` (the producer's own time on episodes: decoding, rendering, building samples),
 `failed_episodes`, `failed/<kind>`, `truncated_episodes`, `empty_groups`.
 """
 
@@ -42,7 +43,7 @@ from miles.tasks.rewards import Scored, Scorer
 
 log = logging.getLogger(__name__)
 Batch = list[tuple[PromptTask, list[int]]]
-EPISODE_COUNTERS = ("episodes", "turns", "tool_calls", "tool_errors", "env_s",
+EPISODE_COUNTERS = ("episodes", "turns", "tool_calls", "tool_errors", "env_s", "work_s",
                     "failed_episodes", "truncated_episodes", "empty_groups")
 
 
@@ -157,8 +158,12 @@ class EpisodeGroups(GroupBuilder):
             if not episode.failed and episode.prompt != prompt:
                 episode.fail("prompt_mismatch", "reset opened with another first prompt than "
                                                 "the group's first episode")
+        samples = []
+        for episode in episodes:
+            if not episode.failed:
+                with episode.working():
+                    samples.append(episode.sample(compact=self.compact))
             self._count(episode)
-        samples = [e.sample(compact=self.compact) for e in episodes if not e.failed]
         if not samples:
             self.counts["producer/empty_groups"] += 1
             return None
@@ -189,6 +194,7 @@ class EpisodeGroups(GroupBuilder):
         counts["producer/tool_calls"] += episode.tool_calls
         counts["producer/tool_errors"] += episode.tool_errors
         counts["producer/env_s"] += episode.env_s
+        counts["producer/work_s"] += episode.work_s
         counts["producer/truncated_episodes"] += episode.truncated is not None
         if episode.failed:
             counts["producer/failed_episodes"] += 1

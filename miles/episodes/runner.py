@@ -177,38 +177,50 @@ class EpisodeRunner:
                      prompt_ids: list[int]) -> Context:
         episode_task = task_of(task)
         first = await self._env_call(record, "reset", env.reset(episode_task))
-        context = self.renderer.first(episode_task, first, prompt_ids)
-        record.prompt = list(context.ids)
+        with record.working():
+            context = self.renderer.first(episode_task, first, prompt_ids)
+            record.prompt = list(context.ids)
         return context
 
     async def _turns(self, record: EpisodeRecord, env: Environment, context: Context) -> None:
-        limits = self.settings
         while True:
-            budget = min(self.sampling.max_new_tokens, limits.max_total_tokens - record.length)
+            budget = min(self.sampling.max_new_tokens,
+                         self.settings.max_total_tokens - record.length)
             completion = await self._next_turn(context.ids, budget, env.stop_strings)
-            text = self.engine.decode(completion.token_ids)
-            context.ids += completion.token_ids.tolist()
-            turn = Turn(completion)
-            record.turns.append(turn)
-            step = await self._env_call(record, "step", env.step(
-                Action(text, completion.token_ids.tolist(), completion.finish_reason)))
-            self._take(record, turn, step)
-            if step.done:
-                if completion.finish_reason == "length":
-                    record.truncated = "max_new_tokens"
-                return
-            if len(record.turns) >= limits.max_turns:
-                record.truncated = "max_turns"
-                return
-            observation = self.renderer.extend(context, text, step.observation)
-            if len(observation) > limits.max_observation_tokens:
-                record.truncated = "max_observation_tokens"
-                return
-            if record.length + len(observation) >= limits.max_total_tokens:
-                record.truncated = "max_total_tokens"
-                return
-            turn.observation = observation
-            context.ids += observation
+            with record.working():
+                text = self.engine.decode(completion.token_ids)
+                context.ids += completion.token_ids.tolist()
+                turn = Turn(completion)
+                record.turns.append(turn)
+                action = Action(text, completion.token_ids.tolist(), completion.finish_reason)
+            step = await self._env_call(record, "step", env.step(action))
+            with record.working():
+                if not self._goes_on(record, context, turn, text, step):
+                    return
+
+    def _goes_on(self, record: EpisodeRecord, context: Context, turn: Turn, text: str,
+                 step: Step) -> bool:
+        """Take `step` into the episode; whether it has another turn (else it ended, done or
+        truncated by a limit)."""
+        limits = self.settings
+        self._take(record, turn, step)
+        if step.done:
+            if turn.completion.finish_reason == "length":
+                record.truncated = "max_new_tokens"
+            return False
+        if len(record.turns) >= limits.max_turns:
+            record.truncated = "max_turns"
+            return False
+        observation = self.renderer.extend(context, text, step.observation)
+        if len(observation) > limits.max_observation_tokens:
+            record.truncated = "max_observation_tokens"
+            return False
+        if record.length + len(observation) >= limits.max_total_tokens:
+            record.truncated = "max_total_tokens"
+            return False
+        turn.observation = observation
+        context.ids += observation
+        return True
 
     @staticmethod
     def _take(record: EpisodeRecord, turn: Turn, step: Step) -> None:

@@ -16,6 +16,9 @@ before environments.
 
 from __future__ import annotations
 
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -46,6 +49,8 @@ class EpisodeRecord:
     tool_calls: int = 0
     tool_errors: int = 0
     env_s: float = 0.0
+    work_s: float = 0.0  # the producer's own time on it (decode, render, its sample; not the
+    # engine, not the environment); not on the wire
     truncated: str | None = None  # which limit cut the episode short
     failure: str | None = None  # why the episode failed (kind: message); never trained
     failure_kind: str | None = None
@@ -58,6 +63,15 @@ class EpisodeRecord:
     @property
     def length(self) -> int:
         return sum(len(t.completion.token_ids) + len(t.observation) for t in self.turns)
+
+    @contextmanager
+    def working(self) -> Iterator[None]:
+        """Count the time of the block as the producer's own work on this episode."""
+        began = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.work_s += time.perf_counter() - began
 
     def fail(self, kind: str, message: str) -> None:
         if self.failure is None:

@@ -109,6 +109,10 @@ async def test_calculator_episodes_are_published_as_episode_groups(bus, run, cha
     assert counts["producer/tool_calls"] == 6 and counts["producer/failed_episodes"] == 0
     extra = beats[-1].extra
     assert (extra["episodes"], extra["turns"], extra["tool_calls"]) == (6, 12, 6)
+    # the producer's own time on episodes (decode, render, samples), total and per episode
+    assert counts["producer/work_s"] > 0 and extra["work_s"] == round(counts["producer/work_s"], 3)
+    assert extra["work_s_per_episode"] == round(counts["producer/work_s"] / 6, 4)
+    assert extra["env_s_per_episode"] == round(counts["producer/env_s"] / 6, 4)
     assert counts["producer/tokens"] == sum(s.policy_tokens for g in published
                                             for s in g.samples)
 

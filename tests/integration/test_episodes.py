@@ -225,3 +225,21 @@ async def test_max_concurrent_bounds_the_episodes_in_flight(engine):
     calls.clear()
     await run_episodes(engine, envs.Counter, [prompt_task("a"), prompt_task("b")], calls=calls)
     assert [len(prompts) for prompts, *_ in calls] == [4, 4, 4]
+
+
+async def test_an_episodes_time_is_split_into_environment_and_producer_work(engine, monkeypatch):
+    """Each step sleeps 30 ms in the environment, each decode 20 ms in the producer: env_s
+    counts the first and never the second, work_s the second and never the first."""
+    decode = engine.decode
+
+    def slow_decode(ids):
+        time.sleep(0.02)
+        return decode(ids)
+
+    monkeypatch.setattr(engine, "decode", slow_decode)
+    records, _ = await run_episodes(engine, envs.Gated, [prompt_task("a", delay=0.03)],
+                                    sampling=SamplingParams(n=1, max_new_tokens=3))
+    (record,) = records[0]
+    assert len(record.turns) == 3 and record.failure is None
+    assert 0.09 <= record.env_s < 0.09 + 0.05
+    assert 0.06 <= record.work_s < 0.06 + 0.05
