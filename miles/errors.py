@@ -13,6 +13,10 @@ class ConfigError(MilesError):
     """A configuration value is missing, of the wrong type or out of range."""
 
 
+class StoppedError(MilesError):
+    """Work given up part-way because a stop was asked for (a signal), nothing of it kept."""
+
+
 class CodecError(MilesError):
     """A wire record could not be encoded or decoded; names the field and the reason."""
 

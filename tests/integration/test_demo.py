@@ -4,6 +4,11 @@ bus, the session's tiny model as the starting checkpoint instead of the cached w
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
+import sys
+import time
 
 import pytest
 
@@ -48,3 +53,27 @@ def test_a_short_demo_with_an_environment_trains_episodes(bus, model_dir, tmp_pa
     if bus == "kafka":
         settings = (tmp_path / "producer.yaml").read_text()
         assert "env: tests.envs:SecondTry" in settings and "max_total_tokens" in settings
+
+
+def test_a_signal_during_the_warm_start_stops_the_demo_at_once(tmp_path):
+    """The supervised warm start runs off the event loop and asks before each step whether
+    to stop, so Ctrl-C is heard within a step instead of after the whole SFT."""
+    command = [sys.executable, "-c", "import sys; from miles.cli import main; sys.exit(main())",
+               "demo", "--out", str(tmp_path / "out"), "--set", "sft.steps=100000"]
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                               text=True, env={**os.environ, "HOME": str(tmp_path)})
+    try:
+        lines = []
+        for line in process.stdout:
+            lines.append(line)
+            if "sft step 1/100000" in line:
+                break
+        began = time.monotonic()
+        process.send_signal(signal.SIGINT)
+        output, _ = process.communicate(timeout=60)
+    finally:
+        process.kill()
+    assert time.monotonic() - began < 30
+    assert process.returncode == 2, "".join(lines) + output
+    assert "the supervised warm start was stopped at step" in output
+    assert not list((tmp_path / ".cache" / "miles" / "demo").glob("sft-*/config.json"))

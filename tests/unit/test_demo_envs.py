@@ -43,8 +43,8 @@ def sft_calls(tmp_path, monkeypatch):
     monkeypatch.setattr(demo, "CACHE", tmp_path)
     calls = []
 
-    def fake_sft(base, out, problems, config):
-        calls.append((AutoTokenizer.from_pretrained(base), problems))
+    def fake_sft(base, out, problems, config, *, probe=None, should_stop=None):
+        calls.append((AutoTokenizer.from_pretrained(base), problems, probe))
         out.mkdir(parents=True)
         (out / "config.json").write_text("{}")
         return out
@@ -59,8 +59,9 @@ def test_the_multiplication_warm_start_teaches_the_tool_format_with_the_env(sft_
     tool_dir, plain_dir = warm_start(with_tool), warm_start(single_turn)
     assert tool_dir != plain_dir
     train = load_problems("multiplication", "train")
-    (tool_tokenizer, tool_pairs), (plain_tokenizer, plain_pairs) = sft_calls
-    assert tool_pairs == warm_start_problems(train) and plain_pairs == train
+    (tool_tokenizer, tool_pairs, _), (plain_tokenizer, plain_pairs, _) = sft_calls
+    kept = train[demo.PROBE_PROBLEMS:]  # the demo stops its SFT at a success: 200 held back
+    assert tool_pairs == warm_start_problems(kept) and plain_pairs == kept
     assert "<" in tool_tokenizer.get_vocab() and "<" in plain_tokenizer.get_vocab()  # chat
     assert warm_start(with_tool) == tool_dir and len(sft_calls) == 2  # cached
     assert warm_start(replace(with_tool, sft=replace(with_tool.sft, steps=4))) != tool_dir
@@ -72,3 +73,18 @@ def test_the_arithmetic_warm_start_keeps_its_cache_key(sft_calls, tmp_path):
                                     sort_keys=True).encode()).hexdigest()[:12]
     assert warm_start(config) == tmp_path / f"sft-{key}"
     assert warm_start(replace(config, env="tests.envs:SecondTry")) == tmp_path / f"sft-{key}"
+
+
+def test_a_success_target_holds_problems_back_from_the_sft_to_probe_them(sft_calls):
+    """With `sft.stop_at_success` the first PROBE_PROBLEMS training problems are not trained
+    on; the probe measures them as whole episodes (a problem counts when both of its pairs,
+    the call and the answer, are reproduced)."""
+    config = demo_config("sft.steps=3", env="multiplication")
+    assert config.sft.stop_at_success > 0  # the built-in demo stops at a success, not a step
+    warm_start(config)
+    train = load_problems("multiplication", "train")
+    (_, pairs, probe), = sft_calls
+    assert pairs == warm_start_problems(train[demo.PROBE_PROBLEMS:]) and probe is not None
+    warm_start(replace(config, sft=replace(config.sft, stop_at_success=0.0)))
+    (_, all_pairs, no_probe) = sft_calls[1]
+    assert all_pairs == warm_start_problems(train) and no_probe is None
