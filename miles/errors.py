@@ -61,6 +61,11 @@ class EngineError(MilesError):
     """A rollout engine could not be built, could not generate, or rejected a weight load."""
 
 
+class EngineUnavailableError(EngineError):
+    """The engine could not be reached (a server down or restarting, no answer in time): the
+    same call may succeed later, so what it carried (a weight version) is kept and retried."""
+
+
 class CheckpointError(MilesError):
     """A trainer checkpoint is incomplete, damaged or cannot be loaded or published."""
 

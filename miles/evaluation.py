@@ -33,14 +33,14 @@ from miles.bus.decoding import DecodingConsumer
 from miles.engines.base import LoraSettings, RolloutEngine
 from miles.envs import EnvironmentFactory
 from miles.episodes import EpisodeRecord, EpisodeRunner, EpisodeSettings
-from miles.errors import MilesError, MissingWeightsError
+from miles.errors import MilesError
 from miles.protocol import Heartbeat, PromptTask, WeightVersion
 from miles.protocol.topics import topic_name
 from miles.rl.sampling import SamplingParams
 from miles.service import wait_or_stop
 from miles.tasks.arithmetic import Problem
 from miles.tasks.rewards import Scorer, exact_match
-from miles.weights.following import Announcements, FollowConfig, lineage
+from miles.weights.following import Announcements, FollowConfig, lineage, may_load_later
 from miles.weights.signing import Verifier
 from miles.weights.store import fetch_version
 
@@ -213,15 +213,15 @@ class Evaluator:
         return False
 
     async def _load(self, version: WeightVersion) -> bool:
-        """Fetch, verify and apply `version`; a candidate that fails is dropped unless its file
-        is only missing (it may appear; a pruned one is replaced by newer announcements)."""
+        """Fetch, verify and apply `version`; a candidate that fails is dropped unless it may
+        load later (`may_load_later`; a pruned file is replaced by newer announcements)."""
         new_lineage = version.trainer_generation > (self._loaded or (0, 0))[0]
         try:
             folder = await asyncio.to_thread(fetch_version, version, self.weights.store)
             await asyncio.to_thread(self.engine.load_version, folder, version.policy_version,
                                     version.format, new_lineage=new_lineage)
         except MilesError as err:
-            if not isinstance(err, MissingWeightsError):
+            if not may_load_later(err):
                 self._followed.drop(version)
             log.warning("evaluation skips version %d: %s", version.policy_version, err)
             return False

@@ -64,7 +64,7 @@ from miles.engines.base import Completion, TokenizedEngine, checked_stop_strings
 from miles.engines.vllm_api import (ERROR_TEXT_CHARS, adapter_name, check_processed_logprobs,
                                     completion_request, error_message, parse_completions,
                                     parse_model_cards, pick_base_model, probe_request)
-from miles.errors import ConfigError, EngineError
+from miles.errors import ConfigError, EngineError, EngineUnavailableError
 from miles.rl.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -286,7 +286,8 @@ def decode_reply(what: str, status: int, raw: bytes, *, reply_json: bool = True)
 
 def http_exchange(url: str, method: str, body: dict | None, headers: dict[str, str],
                   timeout_s: float) -> tuple[int, bytes]:
-    """One HTTP exchange: (status, body). Transport failures raise EngineError."""
+    """One HTTP exchange: (status, body). Transport failures (refused, reset: a server down or
+    restarting) raise EngineUnavailableError."""
     data = None if body is None else json.dumps(body).encode()
     request = urllib.request.Request(url, data=data, method=method, headers=headers)
     try:
@@ -297,13 +298,13 @@ def http_exchange(url: str, method: str, body: dict | None, headers: dict[str, s
             return err.code, err.read()
     except (urllib.error.URLError, OSError, HTTPException) as err:
         reason = getattr(err, "reason", err)
-        raise EngineError(f"{method} {url}: {reason!r}") from err
+        raise EngineUnavailableError(f"{method} {url}: {reason!r}") from err
 
 
 def run_with_deadline(calls: list[Callable[[], Any]], timeout_s: float, *, what: str) -> list[Any]:
     """Run each call in its own daemon thread; results in order, or the first error. Raises
-    EngineError if any is still running after `timeout_s` (its thread is left to end at its
-    socket timeout)."""
+    EngineUnavailableError if any is still running after `timeout_s` (its thread is left to end
+    at its socket timeout)."""
     results: list[Any] = [None] * len(calls)
     errors: list[BaseException | None] = [None] * len(calls)
 
@@ -321,7 +322,7 @@ def run_with_deadline(calls: list[Callable[[], Any]], timeout_s: float, *, what:
     for thread in threads:
         thread.join(max(deadline - time.monotonic(), 0.0))
     if any(thread.is_alive() for thread in threads):
-        raise EngineError(f"{what}: no answer within {timeout_s} s")
+        raise EngineUnavailableError(f"{what}: no answer within {timeout_s} s")
     for err in errors:
         if err is not None:
             raise err

@@ -13,9 +13,10 @@ heartbeats must carry the trainer's Ed25519 signature (`miles.weights.signing`);
 badly signed one is refused before it changes anything, counted in `producer/unverified` (and
 versions in `weight_errors`).
 
-A newest version that does not load (a missing file) falls back to the newest one that does, and
-failed versions are retried every `WEIGHT_RETRY_S`, so a lost file costs freshness, not the run;
-`failures` says which, for the producer's admission to report while it waits.
+A newest version that does not load (a missing file, an unreachable engine) falls back to the
+newest one that does, and such versions are retried every `WEIGHT_RETRY_S`, so a lost file or a
+server restart costs freshness, not the run; `failures` says which, for the producer's
+admission to report while it waits.
 """
 
 from __future__ import annotations
@@ -28,9 +29,9 @@ from collections import deque
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
-from miles.errors import MilesError, MissingWeightsError
+from miles.errors import MilesError
 from miles.protocol import WeightVersion
-from miles.weights.following import Announcements, FollowConfig, lineage
+from miles.weights.following import Announcements, FollowConfig, lineage, may_load_later
 from miles.weights.signing import Verifier
 from miles.weights.store import fetch_version
 
@@ -55,7 +56,7 @@ class WeightFollower:
         self.announced = Announcements()  # the followed version and the candidates
         self._apply, self._reject = apply, reject
         self._loaded = (0, 0)  # lineage (generation, policy version) of the engine's weights
-        self._failed: set[tuple[int, int]] = set()  # candidates whose file was missing
+        self._failed: set[tuple[int, int]] = set()  # candidates that may load later
         self._retry_at = 0.0  # monotonic time to retry the versions that failed
         self.load_latencies: deque[float] = deque(maxlen=1000)  # announce -> in use, seconds
 
@@ -109,7 +110,8 @@ class WeightFollower:
 
     async def _load(self, version: WeightVersion, *, report: bool = True) -> bool:
         """Fetch, verify and apply `version`; a failure is rejected (reported) if `report`. A
-        missing file keeps the candidate for a retry; any other failure drops it."""
+        missing file or an unreachable engine keeps the candidate for a retry; any other failure
+        drops it."""
         new_lineage = version.trainer_generation > self._loaded[0]  # may go back in number
         began = time.perf_counter()
         try:
@@ -118,7 +120,7 @@ class WeightFollower:
             fetch_s = time.perf_counter() - began
             apply_s = await self._apply(folder, version, new_lineage)
         except MilesError as err:
-            if isinstance(err, MissingWeightsError):
+            if may_load_later(err):
                 self._failed.add(lineage(version))
             else:
                 self.announced.drop(version)

@@ -11,8 +11,9 @@ store, present, of the announced size and sha256, and the engine loads it. Only 
 count: it becomes the followed version (the "versions only go forward" bound) and fences older
 generations. A candidate that fails any check is dropped and changes nothing (docs/
 control-plane.md): a forged announcement of version 2**31-1 cannot freeze a run by raising the
-bound. A candidate whose file is missing stays a candidate and is retried (the file may appear:
-a slow shared file system), still changing nothing.
+bound. A candidate that may load later stays a candidate and is retried, still changing
+nothing: its file is missing (it may appear: a slow shared file system), or the engine could
+not be reached (a vLLM server restarting), which says nothing about the version.
 
 Simplifications, chosen on purpose:
 - At most `RECENT_VERSIONS` candidates are kept (by arrival; older ones are forgotten): enough
@@ -27,6 +28,7 @@ from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 
+from miles.errors import EngineUnavailableError, MissingWeightsError
 from miles.protocol import WeightVersion
 
 RECENT_VERSIONS = 8  # candidates kept to fall back to when the newest cannot be loaded
@@ -43,6 +45,11 @@ class FollowConfig:
 def lineage(version: WeightVersion) -> tuple[int, int]:
     """(trainer generation, policy version): what orders two versions."""
     return version.trainer_generation, version.policy_version
+
+
+def may_load_later(err: Exception) -> bool:
+    """Whether a version that failed to load with `err` stays a candidate (see above)."""
+    return isinstance(err, (MissingWeightsError, EngineUnavailableError))
 
 
 class Announcements:

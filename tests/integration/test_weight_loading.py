@@ -14,6 +14,7 @@ import pytest
 from miles.bus import open_bus
 from miles.engines.base import LoraSettings
 from miles.engines.hf import HFEngine
+from miles.errors import EngineUnavailableError
 from miles.feeder import feed
 from miles.protocol import Heartbeat, decode, encode
 from miles.protocol.topics import run_topics, topic_name
@@ -23,6 +24,7 @@ from miles.tasks.arithmetic import arithmetic_problems
 from miles.tasks.rewards import Scorer
 from miles.trainer import distributed
 from miles.trainer.learner import Learner
+from miles.weights import follower
 from miles.weights.following import FollowConfig
 from miles.weights.store import WEIGHTS_FILES, base_model_id, version_dir, write_version
 from tests.rewards import starts_with_digit
@@ -131,3 +133,45 @@ async def test_load_time_counts_the_load_not_the_wait_behind_a_generate(model_di
             await asyncio.wait_for(running, 30)
     assert worker.counts["producer/weight_loads"] == 1
     assert 0 < worker.counts["producer/load_s"] < SlowEngine.GENERATE_S / 2 < waited
+
+
+class UnreachableEngine(HFEngine):
+    """An engine behind a server that is down while `down` is set: every load fails as
+    unreachable (`EngineUnavailableError`), as a vLLM server's does while it restarts."""
+
+    down = True
+
+    def load_adapter(self, adapter_dir, policy_version, *, new_lineage=False):
+        if self.down:
+            raise EngineUnavailableError("POST /v1/load_lora_adapter: connection refused")
+        return super().load_adapter(adapter_dir, policy_version, new_lineage=new_lineage)
+
+
+async def test_a_version_announced_while_the_engine_is_unreachable_loads_once_it_is_back(
+        model_dir, versions, monkeypatch):
+    """A server down for a restart says nothing about the version: it is reported once, kept,
+    and loaded when the server answers again (it was dropped for good, and the producer waited
+    for it forever: the vLLM tier's server-restart run hung at 'loaded 2')."""
+    monkeypatch.setattr(follower, "WEIGHT_RETRY_S", 0.2)
+    store, records = versions
+    run = "unreachable"
+    async with open_bus("embedded://") as bus:
+        await bus.create_topics(run_topics(run, prompt_partitions=1, trajectory_partitions=1))
+        engine = UnreachableEngine(model_dir, lora=LORA)
+        worker = RolloutWorker(bus, engine, Scorer(starts_with_digit), RolloutConfig(
+            run=run, heartbeat_s=60, weights=FollowConfig(store=store)))
+        stop = asyncio.Event()
+        running = asyncio.create_task(worker.run(stop))
+        try:
+            await bus.publish(topic_name(run, "control"), encode(records[1]))
+            await wait_for(lambda: worker.counts["producer/weight_errors"] == 1)
+            await asyncio.sleep(1.0)  # several retries while it is down: reported once
+            assert engine.policy_version == 0 and worker.counts["producer/weight_errors"] == 1
+            assert worker.follower.failures() == ("versions 1 failed to load, retried every "
+                                                  "0.2 s")
+            engine.down = False
+            await wait_for(lambda: engine.policy_version == 1)
+        finally:
+            stop.set()
+            await asyncio.wait_for(running, 30)
+    assert worker.counts["producer/weight_loads"] == 1

@@ -23,7 +23,7 @@ from miles.engines.vllm_api import (check_processed_logprobs, completion_request
                                     parse_completions, pick_base_model, probe_request)
 from miles.engines.vllm_server import (VLLMServerEngine, VLLMServerSettings, run_with_deadline,
                                        server_root)
-from miles.errors import ConfigError, EngineError
+from miles.errors import ConfigError, EngineError, EngineUnavailableError
 from miles.rl.sampling import SamplingParams
 from tests.factories import tokenizer_folder
 
@@ -487,7 +487,7 @@ def test_a_slow_server_times_out(fake, tokenizer_dir):
     engine = engine_for(fake, tokenizer_dir, timeout_s=0.5)
     fake.route("POST", "/v1/completions", recorded("completion_2x2.json"), delay=3.0)
     began = time.monotonic()
-    with pytest.raises(EngineError, match="within 0.5 s|timed out"):
+    with pytest.raises(EngineUnavailableError, match="within 0.5 s|timed out"):
         engine.generate(PROMPTS, PARAMS)
     assert time.monotonic() - began < 2.0
 
@@ -552,3 +552,20 @@ def test_producer_config_reads_server_settings():
                                                       timeout_s=30.0, seeded=True)
     with pytest.raises(ConfigError, match="vllm_server.timeout_s"):
         load_config(ProducerSettings, overrides=["vllm_server.timeout_s=0"], env={})
+
+
+def test_a_server_that_is_down_is_unavailable_not_a_refusal(fake, tokenizer_dir, adapter):
+    """A refused connection says nothing about the request (the server is restarting): it is
+    an EngineUnavailableError, which the weight follower retries; an HTTP error is the server's
+    answer and stays a plain EngineError."""
+    engine = engine_for(fake, tokenizer_dir)
+    fake.route("POST", "/v1/load_lora_adapter", (500, "Internal Server Error"))
+    with pytest.raises(EngineError) as answered:
+        engine.load_adapter(adapter, 1)
+    assert not isinstance(answered.value, EngineUnavailableError)
+    fake.close()
+    with pytest.raises(EngineUnavailableError, match="load_lora_adapter"):
+        engine.load_adapter(adapter, 1)
+    with pytest.raises(EngineUnavailableError, match="completions"):
+        engine.generate(PROMPTS, PARAMS)
+    assert engine.policy_version == 0
