@@ -30,6 +30,7 @@ import json
 import threading
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -41,6 +42,9 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from miles.engines.base import Completion, LoraSettings, TokenizedEngine, checked_stop_strings
 from miles.errors import EngineError
 from miles.rl.sampling import SamplingParams, process_logits
+
+if TYPE_CHECKING:
+    from miles.engines.hf_stream import StreamingSampler
 
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 ADAPTER_CONFIG = "adapter_config.json"
@@ -72,6 +76,8 @@ class HFEngine(TokenizedEngine):
         self._vocab_size = int(self.model.get_output_embeddings().weight.shape[0])
         self._policy_version = 0
         self._lock = threading.Lock()  # generate and weight loads never overlap
+        self.weight_loads = 0  # loads since start-up: a streaming cache is stale after one
+        self._streaming: StreamingSampler | None = None
         self.tokens_generated = 0  # response tokens returned since start-up
         self.generate_seconds = 0.0  # wall time spent inside generate
 
@@ -102,6 +108,15 @@ class HFEngine(TokenizedEngine):
             self.generate_seconds += time.perf_counter() - start
         return [completions[i * params.n:(i + 1) * params.n] for i in range(len(prompts))]
 
+    def streaming_sampler(self) -> StreamingSampler:
+        """This engine's continuous batcher (`miles.engines.hf_stream`), built on first use; it
+        shares the model, tokenizer and lock, so weight loads land between its steps."""
+        if self._streaming is None:
+            from miles.engines.hf_stream import StreamingSampler
+
+            self._streaming = StreamingSampler(self)
+        return self._streaming
+
     def load_adapter(self, adapter_dir: Path, policy_version: int, *,
                      new_lineage: bool = False) -> None:
         if self.lora is None:
@@ -115,6 +130,7 @@ class HFEngine(TokenizedEngine):
                 for key, param in self._adapter.items():
                     param.copy_(state[key])
             self._policy_version = policy_version
+            self.weight_loads += 1
 
     def load_full_weights(self, weights: Path, policy_version: int) -> None:
         if self.lora is not None:
@@ -129,6 +145,7 @@ class HFEngine(TokenizedEngine):
             with torch.no_grad():
                 self.model.load_state_dict(state, strict=False)
             self._policy_version = policy_version
+            self.weight_loads += 1
 
     def _completions(self, tokens: torch.Tensor, logprobs: torch.Tensor, lengths: np.ndarray,
                      string_stops: np.ndarray) -> list[Completion]:
