@@ -27,9 +27,32 @@ LORA = LoraSettings(r=4, alpha=8)
 LOGPROB_TOLERANCE = 1e-5  # max |streamed - teacher-forced| in fp32 on CPU
 
 
+def save_adapter(model_dir, out_dir, seed: int):
+    """A peft adapter on the engine's base with nonzero lora_B; returns the peft model (eval)."""
+    torch.manual_seed(seed)
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(model_dir), lora_config(LORA))
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.normal_(std=0.5)
+    model.save_pretrained(out_dir)
+    return model.eval()
+
+
 @pytest.fixture(scope="module")
 def engine(model_dir):
     return HFEngine(model_dir)
+
+
+@pytest.fixture(scope="module")
+def sharp_engine(model_dir, tmp_path_factory):
+    """An engine whose greedy tokens depend on the context (the tiny model's own greedy answer
+    is the same character whatever the prompt): a random adapter loaded as version 1."""
+    lora_engine = HFEngine(model_dir, lora=LORA)
+    adapter = tmp_path_factory.mktemp("sharp") / "v1"
+    save_adapter(model_dir, adapter, seed=1)
+    lora_engine.load_adapter(adapter, 1)
+    return lora_engine
 
 
 @pytest.fixture(scope="module")
@@ -71,16 +94,20 @@ def assert_same(streamed, reference) -> None:
     assert streamed.finish_reason == reference.finish_reason
 
 
-def test_greedy_requests_joining_mid_flight_give_what_generate_gives(engine, prompts):
-    reference = engine.generate(prompts, GREEDY)
+def test_greedy_requests_joining_mid_flight_give_what_generate_gives(sharp_engine, prompts):
+    reference = sharp_engine.generate(prompts, GREEDY)
     short = SamplingParams(n=1, top_k=1, max_new_tokens=5)
     schedule = [(at, p, GREEDY, {}) for at, p in zip([0, 3, 3, 7, 12], prompts)]
-    requests = drain(StreamingSampler(engine), schedule + [(1, prompts[2], short, {})])
+    requests = drain(StreamingSampler(sharp_engine), schedule + [(1, prompts[2], short, {})])
+    texts = set()
     for request, group in zip(requests, reference):
         assert len(request.completions) == GREEDY.n
         for streamed, expected in zip(request.completions, group, strict=True):
             assert streamed.token_ids.tolist() == expected.token_ids.tolist()
             assert streamed.finish_reason == expected.finish_reason
+            texts.add(sharp_engine.decode(streamed.token_ids))
+        assert request.token_versions[0].tolist() == [1] * len(request.completions[0].token_ids)
+    assert len(texts) == len(prompts)  # each prompt has its own greedy answer
     (cut,) = requests[-1].completions
     assert cut.token_ids.tolist() == reference[2][0].token_ids[:5].tolist()
     assert cut.finish_reason == "length"
@@ -132,18 +159,6 @@ def test_eos_stop_strings_and_the_budget_end_rows_as_in_generate(engine, prompts
         elif streamed.finish_reason == "length":
             assert len(streamed.token_ids) == params.max_new_tokens
     assert reasons == {"stop", "stop_string", "length"}
-
-
-def save_adapter(model_dir, out_dir, seed: int):
-    """A peft adapter on the engine's base with nonzero lora_B; returns the peft model (eval)."""
-    torch.manual_seed(seed)
-    model = get_peft_model(AutoModelForCausalLM.from_pretrained(model_dir), lora_config(LORA))
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "lora_B" in name:
-                param.normal_(std=0.5)
-    model.save_pretrained(out_dir)
-    return model.eval()
 
 
 def test_tokens_after_a_weight_load_have_the_new_version_and_distribution(model_dir, prompts,
