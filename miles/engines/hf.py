@@ -9,8 +9,9 @@ trainer's right-padded forward.
 
 Simplifications, chosen on purpose:
 - All prompts x n run as one batch, and finished rows keep stepping (their tokens are dropped)
-  until every row is done: no continuous batching, no paged cache. This engine is for CPU runs,
-  tests and small GPUs; throughput at scale is vLLM's job.
+  until every row is done: no paged cache, and no continuous batching here (`streaming_sampler()`,
+  in `hf_stream.py`, is the continuous batcher). This engine is for CPU runs, tests and small
+  GPUs; throughput at scale is vLLM's job.
 - One EOS id (the tokenizer's) ends a response; extra stop ids of some chat models are ignored.
 - Stop strings are checked per row after each step by decoding only the row's last few tokens
   (`StopStrings`: as many as the longest stop string has characters, plus slack for tokens

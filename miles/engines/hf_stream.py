@@ -54,7 +54,7 @@ from miles.rl.sampling import SamplingParams, process_logits
 class Row:
     """One sample in flight: its response so far, with per-token logprobs and versions."""
 
-    request: Request
+    request: Request = field(repr=False)
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)

@@ -18,6 +18,7 @@ from miles.engines.hf import lora_config
 from miles.engines.hf_stream import Request, StreamingSampler
 from miles.errors import EngineError
 from miles.rl.sampling import SamplingParams, sampled_logprobs
+from miles.tasks.tiny_model import build_tiny_model
 
 PROMPTS = ["37+48=", "1+2=", "123+456=", "9=", "1000+2000+3000="]  # different lengths
 GREEDY = SamplingParams(n=2, top_k=1, max_new_tokens=16)
@@ -127,6 +128,17 @@ def test_logprobs_of_rows_joining_mid_flight_are_the_models(engine, prompts):
     print(f"max |streamed - teacher-forced| logprob = {worst:.2e}")
     assert worst <= LOGPROB_TOLERANCE
     assert max(len(c.token_ids) for r in requests for c in r.completions) >= 10
+
+
+def test_qwen2_rows_joining_mid_flight_score_as_the_model(tmp_path):
+    qwen = HFEngine(build_tiny_model(tmp_path / "qwen2", arch="qwen2", hidden_size=64, layers=2))
+    prompts = [qwen.encode(text) for text in PROMPTS]
+    schedule = [(at, p, FILTERED, {"seed": i}) for i, (at, p) in enumerate(zip([0, 2, 5], prompts))]
+    for request, prompt in zip(drain(StreamingSampler(qwen), schedule), prompts):
+        for c in request.completions:
+            torch.testing.assert_close(torch.from_numpy(c.logprobs),
+                                       teacher_forced(qwen.model, prompt, c.token_ids, FILTERED),
+                                       rtol=0, atol=LOGPROB_TOLERANCE)
 
 
 def test_a_seeded_single_sample_is_the_same_alone_or_joined(engine, prompts):
