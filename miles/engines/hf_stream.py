@@ -250,7 +250,7 @@ class StreamingSampler:
 
     def _retire(self) -> list[Request]:
         """Remove the rows that ended; return the requests none of whose rows is left."""
-        ended = {row.request for row in self._rows if row.finish_reason is not None}
+        ended = dict.fromkeys(row.request for row in self._rows if row.finish_reason)
         self._keep([row.finish_reason is None for row in self._rows])
         finished = [r for r in ended if all(row.finish_reason for row in r.rows)]
         for request in finished:
