@@ -67,11 +67,12 @@ async def produce(bus, run, engine, *, env, groups: int, n: int = 2, **worker_kw
         deadline = time.monotonic() + WAIT_S
         while len(published) < groups and time.monotonic() < deadline:
             published += [decode(r.value, TrajectoryGroup) for r in await audit.poll(timeout_s=0.2)]
-        while not beats and time.monotonic() < deadline:
+        # beats are read in order from the first: read on until one carries the groups counted
+        # (a single later poll could still return beats from before the batch's counters)
+        while (not beats or beats[-1].extra["groups"] < len(published)) \
+                and time.monotonic() < deadline:
             beats += [b for b in (decode(r.value, Heartbeat) for r in
                                   await status.poll(timeout_s=0.2)) if b.role == "producer"]
-        await asyncio.sleep(0.3)  # a heartbeat after the last batch's counters
-        beats += [decode(r.value, Heartbeat) for r in await status.poll(timeout_s=0.3)]
     stop.set()
     await asyncio.wait_for(running, 60)
     return worker, published, beats
