@@ -1,9 +1,10 @@
 """Producer overhead of multi-turn episodes: where an episode's time goes, and how busy the engine
-is while tools run, across `episodes.max_concurrent`.
+is while tools run, across `episodes.max_concurrent` and the two schedules (rounds, and turns
+streamed through the engine's continuous batcher: `episodes.stream_turns`).
 
     PYTHONPATH=$PWD python3 benchmarks/bench_episodes.py [--envs sleep0,sleep20,sleep100,\
-calculator,python] [--concurrency 0,8] [--prompts 8] [--n 2] [--tool-turns 2] \
-        [--max-new-tokens 16] [--repeats 2] [--out runs/bench-episodes]
+calculator,python] [--concurrency 0,8] [--modes rounds,stream] [--prompts 8] [--n 2] \
+        [--tool-turns 2] [--max-new-tokens 16] [--repeats 2] [--out runs/bench-episodes]
 
 It drives the producer's own `EpisodeGroups` (the `EpisodeRunner`, samples and counters) with
 the HF engine on the tiny chat model, the engine in one executor thread as in the producer.
@@ -13,8 +14,9 @@ generated, kept and rendered; only the text the tools see is scripted); the last
 model's own answer, scored. Environments: `sleepMS` (an async tool that sleeps MS
 milliseconds), `calculator` (the built-in one), `python` (the built-in sandbox: a child
 process per call). Per configuration, the median over `repeats` of: wall time of the batch,
-engine time (inside the engine thread's generate calls) and its share of the wall time (the
-engine's busy fraction), engine calls and rows per call, and per episode: environment time
+engine time (inside the engine thread's generate calls, or decoding steps when streamed) and
+its share of the wall time (the engine's busy fraction), engine calls and rows per call (when
+streamed: tokens per step), and per episode: environment time
 (`env_s`: reset, steps, close), the producer's own work (`work_s`: decoding, rendering
 observations, building the sample) and the engine's time amortised over the episodes.
 """
@@ -94,23 +96,25 @@ class TimedEngineThread:
         self.executor = ThreadPoolExecutor(1)
         self.inside_s, self.calls, self.rows = 0.0, 0, 0
 
-    async def __call__(self, fn, prompts, *args, **kwargs):
+    async def __call__(self, fn, *args, **kwargs):
         def timed():
             began = time.perf_counter()
             try:
-                return fn(prompts, *args, **kwargs)
+                return fn(*args, **kwargs)
             finally:
                 self.inside_s += time.perf_counter() - began
 
         self.calls += 1
-        self.rows += len(prompts)
+        self.rows += len(args[0]) if args and isinstance(args[0], list) else 0
         return await asyncio.get_running_loop().run_in_executor(self.executor, timed)
 
 
-async def measure(engine, env: str, concurrency: int, args) -> dict:
+async def measure(engine, env: str, concurrency: int, mode: str, args) -> dict:
     sampling = SamplingParams(n=args.n, temperature=1.0, max_new_tokens=args.max_new_tokens)
     settings = EpisodeSettings(max_turns=args.tool_turns + 1, max_total_tokens=384,
-                               max_observation_tokens=128, max_concurrent=concurrency)
+                               max_observation_tokens=128, max_concurrent=concurrency,
+                               stream_turns=mode == "stream")
+    sampler = engine.streaming_sampler()
     tasks = [PromptTask(task_id=f"t{i}", prompt=f"{10 + i}*{20 + i}=",
                         reference=str((10 + i) * (20 + i)), created_at=0.0)
              for i in range(args.prompts)]
@@ -121,13 +125,14 @@ async def measure(engine, env: str, concurrency: int, args) -> dict:
         groups = EpisodeGroups(engine, sampling, "bench", counts,
                                factory=factory(env, args.tool_turns), settings=settings,
                                in_engine=thread)
-        began = time.perf_counter()
+        began, tokens = time.perf_counter(), sampler.tokens_generated
         await groups.groups(batch, seed=repeat, sequence=repeat)
         wall = time.perf_counter() - began
         thread.executor.shutdown()
         episodes = counts["producer/episodes"]
+        rows = thread.rows if mode == "rounds" else sampler.tokens_generated - tokens
         runs.append({"wall_s": wall, "engine_s": thread.inside_s, "calls": thread.calls,
-                     "rows_per_call": thread.rows / thread.calls,
+                     "rows_per_call": rows / thread.calls,
                      "episodes": episodes, "turns_per_episode": counts["producer/turns"] / episodes,
                      "failed": counts["producer/failed_episodes"],
                      "env_s_per_episode": counts["producer/env_s"] / episodes,
@@ -135,16 +140,17 @@ async def measure(engine, env: str, concurrency: int, args) -> dict:
                      "engine_s_per_episode": thread.inside_s / episodes,
                      "busy": thread.inside_s / wall})
     row = {key: statistics.median(run[key] for run in runs) for key in runs[0]}
-    return {"env": env, "max_concurrent": concurrency, **{k: round(v, 4) for k, v in row.items()}}
+    return {"env": env, "mode": mode, "max_concurrent": concurrency,
+            **{k: round(v, 4) for k, v in row.items()}}
 
 
 def table(rows: list[dict]) -> str:
-    head = ("| env | max_concurrent | wall s | engine s | engine busy | calls | rows/call | "
+    head = ("| env | mode | max_concurrent | wall s | engine s | engine busy | calls | rows/call | "
             "turns/ep | env ms/ep | work ms/ep | engine ms/ep |")
-    lines = [head, "|" + " --- |" * 11]
+    lines = [head, "|" + " --- |" * 12]
     for r in rows:
         lines.append(
-            f"| {r['env']} | {r['max_concurrent'] or 'all'} | {r['wall_s']:.2f} | "
+            f"| {r['env']} | {r['mode']} | {r['max_concurrent'] or 'all'} | {r['wall_s']:.2f} | "
             f"{r['engine_s']:.2f} | {r['busy']:.0%} | {r['calls']:.0f} | {r['rows_per_call']:.1f} | "
             f"{r['turns_per_episode']:.1f} | {1000 * r['env_s_per_episode']:.1f} | "
             f"{1000 * r['work_s_per_episode']:.2f} | {1000 * r['engine_s_per_episode']:.1f} |")
@@ -155,6 +161,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--envs", default="sleep0,sleep20,sleep100,calculator,python")
     parser.add_argument("--concurrency", default="0,8")
+    parser.add_argument("--modes", default="rounds,stream")
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--n", type=int, default=2)
     parser.add_argument("--tool-turns", type=int, default=2)
@@ -170,9 +177,10 @@ def main() -> None:
     engine.generate([engine.encode("1+1=")], SamplingParams(max_new_tokens=4))  # warm-up
     rows = []
     for env in args.envs.split(","):
-        for concurrency in (int(c) for c in args.concurrency.split(",")):
-            rows.append(asyncio.run(measure(engine, env, concurrency, args)))
-            print(json.dumps(rows[-1]), flush=True)
+        for mode in args.modes.split(","):
+            for concurrency in (int(c) for c in args.concurrency.split(",")):
+                rows.append(asyncio.run(measure(engine, env, concurrency, mode, args)))
+                print(json.dumps(rows[-1]), flush=True)
     (args.out / "episodes.json").write_text(json.dumps(rows, indent=2))
     print(table(rows))
 

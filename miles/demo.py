@@ -134,6 +134,7 @@ class DemoConfig:
             raise ConfigError(f"rl_seconds must be > 0, got {self.rl_seconds}")
         if self.engine not in ENGINES:
             raise ConfigError(f"engine must be one of {', '.join(ENGINES)}, got {self.engine!r}")
+        self.episodes.check_engine(self.engine)
 
     def rollout(self) -> RolloutConfig:
         return RolloutConfig(run=self.run, producer_id="producer-0", sampling=self.sampling,

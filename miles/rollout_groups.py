@@ -130,7 +130,7 @@ class EpisodeGroups(GroupBuilder):
     async def groups(self, batch: Batch, seed: int, sequence: int) -> list[TrajectoryGroup]:
         self.generate_s = 0.0
         runner = EpisodeRunner(self.engine, self.factory, self.settings, self.sampling,
-                               generate_in_engine=self._generate)
+                               generate_in_engine=self._generate, in_engine=self._timed)
         records = await runner.run(batch, seed)
         failed_before = self.counts["producer/failed_episodes"]
         groups = [self._group(task, episodes, sequence)
@@ -145,9 +145,13 @@ class EpisodeGroups(GroupBuilder):
         return [g for g in groups if g is not None]
 
     async def _generate(self, prompts, params, **kwargs):
+        return await self._timed(self.engine.generate, prompts, params, **kwargs)
+
+    async def _timed(self, fn, *args, **kwargs):
+        """`fn` in the engine's thread, its time counted as generation (`generate_s`)."""
         began = time.perf_counter()
         try:
-            return await self.in_engine(self.engine.generate, prompts, params, **kwargs)
+            return await self.in_engine(fn, *args, **kwargs)
         finally:
             self.generate_s += time.perf_counter() - began
 

@@ -41,6 +41,7 @@ class ProducerSettings:
     def __post_init__(self) -> None:
         if self.engine not in ENGINES:
             raise ConfigError(f"engine must be one of {', '.join(ENGINES)}, got {self.engine!r}")
+        self.episodes.check_engine(self.engine)
 
 
 def _hf_engine(settings: ProducerSettings) -> RolloutEngine:

@@ -24,6 +24,14 @@ said (and cut a chat template's markup in half). A last turn cut by its token bu
 "length" too. One engine call uses the largest budget of its rows; a row past its own budget
 is cut there, which keeps a valid sample of the shorter budget.
 
+Streaming (`stream_turns`, the HF engine): instead of rounds, each turn is submitted to the
+engine's continuous batcher (`TurnStream`, `miles.engines.hf_stream`) the moment its episode
+asks for it and joins the running batch at the next decoding step; the scheduler steps the
+batcher while any turn is in flight. An episode whose tool returns no longer waits for the
+round's longest turn, and the engine keeps decoding the other episodes while tools run. A
+weight load lands between two steps, so a turn may straddle it: its tokens carry the version
+that sampled each (`TurnResult.versions`, the sample's per-token `versions`).
+
 Simplification: the engine generates n=1 per row; the n episodes of a prompt are n rows (the
 HF engine then computes the same tokens as n samples of one prompt, without sharing the
 prefill).
@@ -37,6 +45,8 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
+import numpy as np
+
 from miles.engines.base import Completion, RolloutEngine
 from miles.envs import (INFO_ERROR, INFO_TOOL_CALLS, INFO_TOOL_ERRORS, Action, Environment,
                         EnvironmentFactory, SingleTurn, Step)
@@ -47,6 +57,11 @@ from miles.protocol import PromptTask
 from miles.rl.sampling import SamplingParams
 
 GenerateFn = Callable[..., Awaitable[list[list[Completion]]]]
+InEngineFn = Callable[..., Awaitable]  # (fn, *args): fn(*args) in the engine's thread
+
+
+async def _in_thread(fn, *args):
+    return await asyncio.to_thread(fn, *args)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -58,6 +73,7 @@ class EpisodeSettings:
     max_observation_tokens: int = 128  # ids one observation may add; more ends the episode
     env_step_timeout_s: float = 30.0  # bound on each reset, step and close of an environment
     max_concurrent: int = 0  # episodes running at once (0: every episode of the batch)
+    stream_turns: bool = False  # turns join the engine's continuous batch (hf) between steps
 
     def __post_init__(self) -> None:
         for name in ("max_turns", "max_total_tokens", "max_observation_tokens"):
@@ -69,6 +85,12 @@ class EpisodeSettings:
         if self.max_concurrent < 0:
             raise ConfigError(f"episodes.max_concurrent must be >= 0, got {self.max_concurrent}")
 
+    def check_engine(self, engine: str) -> None:
+        """ConfigError when these settings need what engine kind `engine` lacks."""
+        if self.stream_turns and engine != "hf":
+            raise ConfigError(f"episodes.stream_turns needs the hf engine (its continuous "
+                              f"batcher), got engine {engine!r}")
+
 
 @dataclass
 class _Request:
@@ -78,25 +100,37 @@ class _Request:
     future: asyncio.Future
 
 
+@dataclass(frozen=True)
+class TurnResult:
+    """A turn's completion and the policy version of each of its tokens ([T] int32; a streamed
+    turn may straddle a weight load)."""
+
+    completion: Completion
+    versions: np.ndarray
+
+
 class EpisodeRunner:
     """Runs the episodes of a batch of prompts (see the module docstring)."""
 
     def __init__(self, engine: RolloutEngine, factory: EnvironmentFactory,
                  settings: EpisodeSettings, sampling: SamplingParams, *,
-                 generate_in_engine: GenerateFn):
+                 generate_in_engine: GenerateFn, in_engine: InEngineFn = _in_thread):
         self.engine, self.factory, self.settings = engine, factory, settings
         self.sampling = sampling
         self.generate_in_engine = generate_in_engine
         self.renderer = Renderer(engine)
-        self.rounds = 0  # engine calls made
+        self.rounds = 0  # engine calls made (streamed: decoding steps)
         self._requests: list[_Request] = []
         self._wake = asyncio.Event()
+        self._stream = TurnStream(engine, in_engine) if settings.stream_turns else None
 
     async def run(self, prompts: list[tuple[PromptTask, list[int]]],
                   seed: int) -> list[list[EpisodeRecord]]:
         """`sampling.n` episodes per prompt (with its token ids); their records, prompt by
         prompt. EngineError if the engine fails (every environment is closed first)."""
         limit = asyncio.Semaphore(self.settings.max_concurrent or len(prompts) * self.sampling.n)
+        if self._stream is not None:
+            self._stream.seed = seed
         tasks = [asyncio.create_task(self._episode(i, task, ids, limit))
                  for i, (task, ids) in enumerate(prompts) for _ in range(self.sampling.n)]
         try:
@@ -105,6 +139,8 @@ class EpisodeRunner:
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
+            if self._stream is not None:
+                await self._stream.abort_all()
             raise
         records = [task.result() for task in tasks]
         n = self.sampling.n
@@ -123,6 +159,10 @@ class EpisodeRunner:
             if not running:
                 return
             self._wake.clear()
+            if self._stream is not None and self._stream.busy:
+                self.rounds += 1
+                await self._stream.step()
+                continue
             if self._requests:
                 requests, self._requests = self._requests, []
                 await self._round(requests, seed + self.rounds)
@@ -149,11 +189,18 @@ class EpisodeRunner:
                 row.future.set_result(within_budget(completion, row.budget))
 
     async def _next_turn(self, prompt: list[int], budget: int,
-                         stop_strings: tuple[str, ...]) -> Completion:
+                         stop_strings: tuple[str, ...]) -> TurnResult:
+        if self._stream is not None:
+            params = dataclasses.replace(self.sampling, n=1, max_new_tokens=budget)
+            future = self._stream.submit(prompt, params, stop_strings)
+            self._wake.set()
+            return await future
         future = asyncio.get_running_loop().create_future()
         self._requests.append(_Request(list(prompt), budget, stop_strings, future))
         self._wake.set()
-        return await future
+        completion = await future
+        return TurnResult(completion, np.full(len(completion.token_ids),
+                                              completion.policy_version, dtype=np.int32))
 
     # -- one episode --------------------------------------------------------------------------
 
@@ -186,11 +233,12 @@ class EpisodeRunner:
         while True:
             budget = min(self.sampling.max_new_tokens,
                          self.settings.max_total_tokens - record.length)
-            completion = await self._next_turn(context.ids, budget, env.stop_strings)
+            result = await self._next_turn(context.ids, budget, env.stop_strings)
+            completion = result.completion
             with record.working():
                 text = self.engine.decode(completion.token_ids)
                 context.ids += completion.token_ids.tolist()
-                turn = Turn(completion)
+                turn = Turn(completion, versions=result.versions)
                 record.turns.append(turn)
                 action = Action(text, completion.token_ids.tolist(), completion.finish_reason)
             step = await self._env_call(record, "step", env.step(action))
@@ -249,6 +297,51 @@ class EpisodeRunner:
             await self._env_call(record, "close", env.close())
         except EpisodeError as failure:
             record.fail(failure.kind, str(failure))
+
+
+class TurnStream:
+    """Turns generated by the engine's continuous batcher (`HFEngine.streaming_sampler`): a
+    turn joins the running batch at the next decoding step and leaves it when it ends, so the
+    engine keeps decoding the other episodes while a tool runs (`stream_turns`). Each step runs
+    in the engine's thread (`in_engine`), where weight loads also run, so a load lands between
+    steps and the tokens after it carry its version (`TurnResult.versions`)."""
+
+    def __init__(self, engine: RolloutEngine, in_engine: InEngineFn):
+        make = getattr(engine, "streaming_sampler", None)
+        if make is None:
+            raise ConfigError(f"episodes.stream_turns needs an engine with a continuous batcher "
+                              f"(hf), got {engine.name!r}")
+        self.sampler, self.in_engine = make(), in_engine
+        self.seed = 0  # the batch's; each turn is seeded with the next number after it
+        self._submitted = 0
+        self._futures: dict[object, asyncio.Future] = {}  # request -> its turn's future
+
+    @property
+    def busy(self) -> bool:
+        return bool(self._futures)
+
+    def submit(self, prompt: list[int], params: SamplingParams,
+               stop_strings: tuple[str, ...]) -> asyncio.Future:
+        self._submitted += 1
+        request = self.sampler.submit(list(prompt), params, stop_strings=stop_strings,
+                                      seed=self.seed + self._submitted)
+        future = asyncio.get_running_loop().create_future()
+        self._futures[request] = future
+        return future
+
+    async def step(self) -> None:
+        """One decoding step; the turns that ended get their results."""
+        for request in await self.in_engine(self.sampler.step):
+            future = self._futures.pop(request, None)
+            if future is not None and not future.done():
+                future.set_result(TurnResult(request.completions[0],
+                                             request.token_versions[0]))
+
+    async def abort_all(self) -> None:
+        """Drop this runner's turns still in the batch (a failed batch must leave none)."""
+        requests, self._futures = list(self._futures), {}
+        for request in requests:
+            await self.in_engine(self.sampler.abort, request)
 
 
 async def _build(factory: EnvironmentFactory) -> Environment:

@@ -37,6 +37,7 @@ class Turn:
     completion: Completion
     reward: float | None = None
     observation: list[int] = field(default_factory=list)
+    versions: np.ndarray | None = None  # [T] per-token policy versions (None: the completion's)
 
 
 @dataclass
@@ -94,7 +95,8 @@ class EpisodeRecord:
             c, obs = turn.completion, turn.observation
             ids += [c.token_ids, np.asarray(obs, dtype=TOKEN_DTYPE)]
             logprobs += [c.logprobs, np.zeros(len(obs), dtype=FLOAT_DTYPE)]
-            versions += [np.full(len(c.token_ids), c.policy_version, dtype=TOKEN_DTYPE),
+            versions += [np.full(len(c.token_ids), c.policy_version, dtype=TOKEN_DTYPE)
+                         if turn.versions is None else turn.versions.astype(TOKEN_DTYPE),
                          np.full(len(obs), OBSERVATION_VERSION, dtype=TOKEN_DTYPE)]
             mask += [np.ones(len(c.token_ids), dtype=np.uint8), np.zeros(len(obs), np.uint8)]
             rewards.append((end + len(c.token_ids) - 1, turn.reward))
