@@ -17,7 +17,8 @@ from miles.errors import ConfigError, EngineError
 from miles.rl.sampling import SamplingParams
 from tests import envs
 from tests.integration.test_episodes import prompt_task, run_episodes, trainer_logprobs
-from tests.integration.test_hf_stream import LORA, save_adapter
+from tests.integration.test_hf_engine import save_adapter
+from tests.integration.test_hf_stream import LORA
 
 STREAM = EpisodeSettings(stream_turns=True, max_total_tokens=200)
 LONG = SamplingParams(n=2, temperature=1.0, max_new_tokens=30)
@@ -107,7 +108,7 @@ async def test_a_turn_whose_tool_returned_joins_while_others_generate(engine, mo
 
 async def test_a_weight_load_mid_turn_is_recorded_per_token(model_dir, tmp_path, monkeypatch):
     engine = HFEngine(model_dir, lora=LORA)
-    save_adapter(model_dir, tmp_path / "v1", seed=3)
+    save_adapter(model_dir, tmp_path / "v1", LORA, seed=3)
     sampler = engine.streaming_sampler()
     step = sampler.step
 

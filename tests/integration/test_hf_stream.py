@@ -10,15 +10,14 @@ import threading
 import numpy as np
 import pytest
 import torch
-from peft import get_peft_model
 from transformers import AutoModelForCausalLM
 
 from miles.engines import HFEngine, LoraSettings
-from miles.engines.hf import lora_config
 from miles.engines.hf_stream import Request, StreamingSampler
 from miles.errors import EngineError
 from miles.rl.sampling import SamplingParams, sampled_logprobs
 from miles.tasks.tiny_model import build_tiny_model
+from tests.integration.test_hf_engine import save_adapter
 
 PROMPTS = ["37+48=", "1+2=", "123+456=", "9=", "1000+2000+3000="]  # different lengths
 GREEDY = SamplingParams(n=2, top_k=1, max_new_tokens=16)
@@ -26,18 +25,6 @@ FILTERED = SamplingParams(n=3, temperature=0.7, top_k=20, top_p=0.9, max_new_tok
 PLAIN = SamplingParams(n=2, temperature=1.0, max_new_tokens=20)
 LORA = LoraSettings(r=4, alpha=8)
 LOGPROB_TOLERANCE = 1e-5  # max |streamed - teacher-forced| in fp32 on CPU
-
-
-def save_adapter(model_dir, out_dir, seed: int):
-    """A peft adapter on the engine's base with nonzero lora_B; returns the peft model (eval)."""
-    torch.manual_seed(seed)
-    model = get_peft_model(AutoModelForCausalLM.from_pretrained(model_dir), lora_config(LORA))
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "lora_B" in name:
-                param.normal_(std=0.5)
-    model.save_pretrained(out_dir)
-    return model.eval()
 
 
 @pytest.fixture(scope="module")
@@ -51,7 +38,7 @@ def sharp_engine(model_dir, tmp_path_factory):
     is the same character whatever the prompt): a random adapter loaded as version 1."""
     lora_engine = HFEngine(model_dir, lora=LORA)
     adapter = tmp_path_factory.mktemp("sharp") / "v1"
-    save_adapter(model_dir, adapter, seed=1)
+    save_adapter(model_dir, adapter, LORA, seed=1)
     lora_engine.load_adapter(adapter, 1)
     return lora_engine
 
@@ -177,7 +164,7 @@ def test_tokens_after_a_weight_load_have_the_new_version_and_distribution(model_
                                                                           tmp_path):
     lora_engine = HFEngine(model_dir, lora=LORA)
     base = AutoModelForCausalLM.from_pretrained(model_dir).eval()  # version 0: lora_B is zero
-    trained = save_adapter(model_dir, tmp_path / "v1", seed=1)
+    trained = save_adapter(model_dir, tmp_path / "v1", LORA, seed=1)
     params = SamplingParams(n=2, temperature=1.0, max_new_tokens=14)
     switch_at = 4
 
