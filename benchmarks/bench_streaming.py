@@ -3,7 +3,7 @@ batcher, side by side in one run (same engine, same cores, same prompts x n).
 
     PYTHONPATH=$PWD python3 benchmarks/bench_streaming.py [--prompts 128] [--n 4] \
         [--prompts-per-batch 8] [--max-in-flight 8] [--max-new-tokens 256] [--skew 0.6] \
-        [--repeats 2] [--threads 0] [--modes batch,stream] [--out runs/bench-streaming]
+        [--repeats 2] [--threads 0] [--modes batch,stream,stream-rows] [--out runs/bench-streaming]
 
 The workload is `miles.tasks.long_tail` (a tiny model whose response length is set by a
 difficulty digit in the prompt; most responses short, a few 10-50x longer). Modes:
@@ -12,6 +12,8 @@ difficulty digit in the prompt; most responses short, a few 10-50x longer). Mode
   `prompts-per-batch` prompts; each batch runs until its longest row ends.
 - `stream`: `StreamingSampler`: up to `max-in-flight` prompts (x n rows) in flight, a new prompt
   submitted as soon as one finishes, stepped until all are done.
+- `stream-rows`: the same, but a prompt is admitted whenever its n rows fit in
+  `max-in-flight x n` rows in flight: a group whose other rows ended holds one row, not n.
 
 Per mode, the median over `repeats` of: wall s, tokens generated (kept: each response's tokens,
 EOS included), tokens/s (kept tokens / wall s), decoding steps, `useful` = kept tokens / row-steps
@@ -21,7 +23,8 @@ flight, so its share is 1 by construction), `occupancy` = kept tokens / (max row
 full the engine's batch was kept: the streaming run pays for its own drain at the end), and the
 length distribution of the responses (p50/p90/p99/max). Sampling differs between the modes
 (one generator per batch vs per request), so their lengths are two draws of the same mix;
-tokens/s is per kept token either way.
+tokens/s is per kept token either way. The tokens/s ratios to the first mode are printed per
+repeat (paired: the modes of one repeat run back to back).
 """
 
 from __future__ import annotations
@@ -58,14 +61,18 @@ def run_batch(engine: HFEngine, prompts: list[list[int]], params: SamplingParams
 
 
 def run_stream(engine: HFEngine, prompts: list[list[int]], params: SamplingParams,
-               args, repeat: int) -> dict:
+               args, repeat: int, *, by_rows: bool = False) -> dict:
+    """Keep `max_in_flight` prompts in flight (`by_rows`: admit a prompt whenever its n rows fit
+    in `max_in_flight * n` rows in flight, so rows that ended free their slots before their
+    group does)."""
     sampler = engine.streaming_sampler()
     waiting = list(enumerate(prompts))[::-1]  # popped from the end: prompt order
-    in_flight, lengths = 0, []
+    max_rows, in_flight, lengths = args.max_in_flight * params.n, 0, []
     tokens_before, steps_before = sampler.tokens_generated, sampler.steps
     began = time.perf_counter()
     while waiting or in_flight:
-        while waiting and in_flight < args.max_in_flight:
+        while waiting and (sampler.rows_in_flight + sampler.requests_pending * params.n
+                           + params.n <= max_rows if by_rows else in_flight < args.max_in_flight):
             i, prompt = waiting.pop()
             sampler.submit(prompt, params, seed=repeat * SEED_STRIDE + i)
             in_flight += 1
@@ -73,7 +80,12 @@ def run_stream(engine: HFEngine, prompts: list[list[int]], params: SamplingParam
             lengths += [len(c.token_ids) for c in request.completions]
             in_flight -= 1
     return summary(time.perf_counter() - began, lengths, sampler.tokens_generated - tokens_before,
-                   sampler.steps - steps_before, args.max_in_flight * params.n)
+                   sampler.steps - steps_before, max_rows)
+
+
+def run_stream_rows(engine: HFEngine, prompts: list[list[int]], params: SamplingParams,
+                    args, repeat: int) -> dict:
+    return run_stream(engine, prompts, params, args, repeat, by_rows=True)
 
 
 def summary(wall: float, lengths: list[int], row_steps: int, steps: int, max_rows: int) -> dict:
@@ -105,7 +117,7 @@ def main() -> None:
     parser.add_argument("--skew", type=float, default=0.6)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
-    parser.add_argument("--modes", default="batch,stream")
+    parser.add_argument("--modes", default="batch,stream,stream-rows")
     parser.add_argument("--out", type=Path, default=Path("runs/bench-streaming"))
     args = parser.parse_args()
     if args.threads:
@@ -123,8 +135,9 @@ def main() -> None:
     request = sampler.submit(prompts[0], warm)
     while not request.done:
         sampler.step()
-    runners = {"batch": run_batch, "stream": run_stream}
-    max_rows = {"batch": args.prompts_per_batch * args.n, "stream": args.max_in_flight * args.n}
+    runners = {"batch": run_batch, "stream": run_stream, "stream-rows": run_stream_rows}
+    max_rows = {"batch": args.prompts_per_batch * args.n, "stream": args.max_in_flight * args.n,
+                "stream-rows": args.max_in_flight * args.n}
     modes = args.modes.split(",")
     runs: dict[str, list[dict]] = {mode: [] for mode in modes}
     for repeat in range(args.repeats):  # modes interleaved, so a drift in load hits both
@@ -136,10 +149,11 @@ def main() -> None:
         row = {key: statistics.median(run[key] for run in runs[mode]) for key in runs[mode][0]}
         rows.append({"mode": mode, "max_rows": max_rows[mode], "threads": torch.get_num_threads(),
                      **{k: round(v, 4) for k, v in row.items()}})
-    by_mode = {r["mode"]: r for r in rows}
-    if {"batch", "stream"} <= by_mode.keys():
-        ratio = by_mode["stream"]["tokens_per_s"] / by_mode["batch"]["tokens_per_s"]
-        print(f"streaming / batch tokens/s: {ratio:.2f}x")
+    for mode in modes[1:]:  # paired per repeat, so a drift in load between repeats cancels
+        ratios = [run["tokens_per_s"] / first["tokens_per_s"]
+                  for run, first in zip(runs[mode], runs[modes[0]])]
+        print(f"{mode} / {modes[0]} tokens/s per repeat: "
+              + ", ".join(f"{r:.2f}x" for r in ratios))
     (args.out / "streaming.json").write_text(json.dumps(rows, indent=2))
     print(table(rows))
 
