@@ -16,7 +16,8 @@ difficulty digit in the prompt; most responses short, a few 10-50x longer). Mode
   `max-in-flight x n` rows in flight: a group whose other rows ended holds one row, not n.
 
 Per mode, the median over `repeats` of: wall s, tokens generated (kept: each response's tokens,
-EOS included), tokens/s (kept tokens / wall s), decoding steps, `useful` = kept tokens / row-steps
+EOS included), tokens/s (kept tokens / wall s), decoding steps and wall ms per step (a streaming
+step also prefills its joiners and samples per request), `useful` = kept tokens / row-steps
 computed (a row-step is one row of one decoding step; a batch computes rows x its longest
 length, so rows that ended keep being computed; the continuous batcher computes only rows in
 flight, so its share is 1 by construction), `occupancy` = kept tokens / (max rows x steps) (how
@@ -91,17 +92,19 @@ def run_stream_rows(engine: HFEngine, prompts: list[list[int]], params: Sampling
 def summary(wall: float, lengths: list[int], row_steps: int, steps: int, max_rows: int) -> dict:
     tokens = sum(lengths)
     return {"wall_s": wall, "tokens": tokens, "tokens_per_s": tokens / wall, "steps": steps,
+            "ms_per_step": 1000 * wall / steps,
             "useful": tokens / row_steps, "occupancy": tokens / (max_rows * steps),
             **length_percentiles(lengths)}
 
 
 def table(rows: list[dict]) -> str:
-    lines = ["| mode | max rows | wall s | tokens | tokens/s | steps | useful | occupancy | "
-             "p50 | p90 | p99 | max |", "|" + " --- |" * 12]
+    lines = ["| mode | max rows | wall s | tokens | tokens/s | steps | ms/step | useful | "
+             "occupancy | p50 | p90 | p99 | max |", "|" + " --- |" * 13]
     for r in rows:
         lines.append(
             f"| {r['mode']} | {r['max_rows']} | {r['wall_s']:.1f} | {r['tokens']:.0f} | "
-            f"{r['tokens_per_s']:.0f} | {r['steps']:.0f} | {r['useful']:.2f} | "
+            f"{r['tokens_per_s']:.0f} | {r['steps']:.0f} | {r['ms_per_step']:.1f} | "
+            f"{r['useful']:.2f} | "
             f"{r['occupancy']:.2f} | {r['p50']:.0f} | {r['p90']:.0f} | {r['p99']:.0f} | "
             f"{r['max']:.0f} |")
     return "\n".join(lines)
