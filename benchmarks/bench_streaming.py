@@ -16,8 +16,10 @@ difficulty digit in the prompt; most responses short, a few 10-50x longer). Mode
   `max-in-flight x n` rows in flight: a group whose other rows ended holds one row, not n.
 
 Per mode, the median over `repeats` of: wall s, tokens generated (kept: each response's tokens,
-EOS included), tokens/s (kept tokens / wall s), decoding steps and wall ms per step (a streaming
-step also prefills its joiners and samples per request), `useful` = kept tokens / row-steps
+EOS included), tokens/s (kept tokens / wall s), CPU seconds of this process and tokens per CPU
+second (on a shared machine wall time measures the neighbours too; with `--threads 1` the CPU
+time is the engine's work), decoding steps and CPU ms per step (a streaming step also prefills
+its joiners and samples per request), `useful` = kept tokens / row-steps
 computed (a row-step is one row of one decoding step; a batch computes rows x its longest
 length, so rows that ended keep being computed; the continuous batcher computes only rows in
 flight, so its share is 1 by construction), `occupancy` = kept tokens / (max rows x steps) (how
@@ -49,7 +51,7 @@ SEED_STRIDE = 10_007  # seeds of repeat r start at r * SEED_STRIDE
 def run_batch(engine: HFEngine, prompts: list[list[int]], params: SamplingParams,
               args, repeat: int) -> dict:
     lengths, row_steps, steps = [], 0, 0
-    began = time.perf_counter()
+    began, cpu = time.perf_counter(), time.process_time()
     for b in range(0, len(prompts), args.prompts_per_batch):
         batch = prompts[b:b + args.prompts_per_batch]
         groups = engine.generate(batch, params, seed=repeat * SEED_STRIDE + b)
@@ -57,8 +59,8 @@ def run_batch(engine: HFEngine, prompts: list[list[int]], params: SamplingParams
         lengths += batch_lengths
         steps += max(batch_lengths)  # the loop samples until its longest row ends
         row_steps += len(batch_lengths) * max(batch_lengths)
-    return summary(time.perf_counter() - began, lengths, row_steps, steps,
-                   args.prompts_per_batch * params.n)
+    return summary(time.perf_counter() - began, time.process_time() - cpu, lengths, row_steps,
+                   steps, args.prompts_per_batch * params.n)
 
 
 def run_stream(engine: HFEngine, prompts: list[list[int]], params: SamplingParams,
@@ -70,7 +72,7 @@ def run_stream(engine: HFEngine, prompts: list[list[int]], params: SamplingParam
     waiting = list(enumerate(prompts))[::-1]  # popped from the end: prompt order
     max_rows, in_flight, lengths = args.max_in_flight * params.n, 0, []
     tokens_before, steps_before = sampler.tokens_generated, sampler.steps
-    began = time.perf_counter()
+    began, cpu = time.perf_counter(), time.process_time()
     while waiting or in_flight:
         while waiting and (sampler.rows_in_flight + sampler.requests_pending * params.n
                            + params.n <= max_rows if by_rows else in_flight < args.max_in_flight):
@@ -80,8 +82,8 @@ def run_stream(engine: HFEngine, prompts: list[list[int]], params: SamplingParam
         for request in sampler.step():
             lengths += [len(c.token_ids) for c in request.completions]
             in_flight -= 1
-    return summary(time.perf_counter() - began, lengths, sampler.tokens_generated - tokens_before,
-                   sampler.steps - steps_before, max_rows)
+    return summary(time.perf_counter() - began, time.process_time() - cpu, lengths,
+                   sampler.tokens_generated - tokens_before, sampler.steps - steps_before, max_rows)
 
 
 def run_stream_rows(engine: HFEngine, prompts: list[list[int]], params: SamplingParams,
@@ -89,22 +91,23 @@ def run_stream_rows(engine: HFEngine, prompts: list[list[int]], params: Sampling
     return run_stream(engine, prompts, params, args, repeat, by_rows=True)
 
 
-def summary(wall: float, lengths: list[int], row_steps: int, steps: int, max_rows: int) -> dict:
+def summary(wall: float, cpu: float, lengths: list[int], row_steps: int, steps: int,
+            max_rows: int) -> dict:
     tokens = sum(lengths)
-    return {"wall_s": wall, "tokens": tokens, "tokens_per_s": tokens / wall, "steps": steps,
-            "ms_per_step": 1000 * wall / steps,
+    return {"wall_s": wall, "cpu_s": cpu, "tokens": tokens, "tokens_per_s": tokens / wall,
+            "tokens_per_cpu_s": tokens / cpu, "steps": steps, "cpu_ms_per_step": 1000 * cpu / steps,
             "useful": tokens / row_steps, "occupancy": tokens / (max_rows * steps),
             **length_percentiles(lengths)}
 
 
 def table(rows: list[dict]) -> str:
-    lines = ["| mode | max rows | wall s | tokens | tokens/s | steps | ms/step | useful | "
-             "occupancy | p50 | p90 | p99 | max |", "|" + " --- |" * 13]
+    lines = ["| mode | max rows | wall s | cpu s | tokens | tokens/s | tokens/cpu-s | steps | "
+             "cpu ms/step | useful | occupancy | p50 | p90 | p99 | max |", "|" + " --- |" * 15]
     for r in rows:
         lines.append(
-            f"| {r['mode']} | {r['max_rows']} | {r['wall_s']:.1f} | {r['tokens']:.0f} | "
-            f"{r['tokens_per_s']:.0f} | {r['steps']:.0f} | {r['ms_per_step']:.1f} | "
-            f"{r['useful']:.2f} | "
+            f"| {r['mode']} | {r['max_rows']} | {r['wall_s']:.1f} | {r['cpu_s']:.1f} | "
+            f"{r['tokens']:.0f} | {r['tokens_per_s']:.0f} | {r['tokens_per_cpu_s']:.0f} | "
+            f"{r['steps']:.0f} | {r['cpu_ms_per_step']:.1f} | {r['useful']:.2f} | "
             f"{r['occupancy']:.2f} | {r['p50']:.0f} | {r['p90']:.0f} | {r['p99']:.0f} | "
             f"{r['max']:.0f} |")
     return "\n".join(lines)
@@ -153,10 +156,11 @@ def main() -> None:
         rows.append({"mode": mode, "max_rows": max_rows[mode], "threads": torch.get_num_threads(),
                      **{k: round(v, 4) for k, v in row.items()}})
     for mode in modes[1:]:  # paired per repeat, so a drift in load between repeats cancels
-        ratios = [run["tokens_per_s"] / first["tokens_per_s"]
-                  for run, first in zip(runs[mode], runs[modes[0]])]
-        print(f"{mode} / {modes[0]} tokens/s per repeat: "
-              + ", ".join(f"{r:.2f}x" for r in ratios))
+        for key in ("tokens_per_s", "tokens_per_cpu_s"):
+            ratios = [run[key] / first[key] for run, first in zip(runs[mode], runs[modes[0]])]
+            print(f"{mode} / {modes[0]} {key} per repeat: "
+                  + ", ".join(f"{r:.2f}x" for r in ratios)
+                  + f" (median {statistics.median(ratios):.2f}x)")
     (args.out / "streaming.json").write_text(json.dumps(rows, indent=2))
     print(table(rows))
 
