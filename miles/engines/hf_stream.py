@@ -149,12 +149,17 @@ class StreamingSampler:
             if not joining and not self._rows:
                 return []
             start = time.perf_counter()
-            with torch.inference_mode():
-                if self.engine.weight_loads != self._weights:
-                    self._drop_cache()
-                logits = self._advance(joining)  # [B, V]
-                self._sample(logits)
-                finished = self._retire()
+            rows = self._rows + [row for request in joining for row in request.rows]
+            try:
+                with torch.inference_mode():
+                    if self.engine.weight_loads != self._weights:
+                        self._drop_cache()
+                    logits = self._advance(joining)  # [B, V]
+                    self._sample(logits)
+                    finished = self._retire()
+            except BaseException:
+                self._recover(rows)
+                raise
             self.steps += 1
             self.busy_seconds += time.perf_counter() - start
         return finished
@@ -173,6 +178,17 @@ class StreamingSampler:
                 self._keep([row.request is not request for row in self._rows])
             self.tokens_wasted += wasted
             return wasted
+
+    def _recover(self, rows: list[Row]) -> None:
+        """After a step that raised: the cache may be a token ahead of some rows, or gone with
+        them, so every row of the step that has not ended stays in flight and is prefilled
+        again from its prompt and tokens at the next step; requests whose rows all ended are
+        finished (`done`)."""
+        self._rows = [row for row in rows if row.finish_reason is None]
+        self._drop_cache()
+        for request in dict.fromkeys(row.request for row in rows):
+            if not request.done and all(row.finish_reason for row in request.rows):
+                request._finish()
 
     def _drop_cache(self) -> None:
         """Forget the keys and values of old weights: every row is prefilled again."""
@@ -262,7 +278,7 @@ class StreamingSampler:
         if all(keep):
             return
         self._rows = [row for row, kept in zip(self._rows, keep) if kept]
-        if not self._rows:
+        if not self._rows or self._cache is None:  # None: rows wait to be prefilled again
             self._cache, self._lengths = None, self._lengths[:0]
             return
         index = torch.tensor(keep, device=self._lengths.device).nonzero().flatten()  # [B']

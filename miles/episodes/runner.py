@@ -52,7 +52,7 @@ from miles.envs import (INFO_ERROR, INFO_TOOL_CALLS, INFO_TOOL_ERRORS, Action, E
                         EnvironmentFactory, SingleTurn, Step)
 from miles.episodes.rendering import Context, Renderer, task_of
 from miles.episodes.samples import EpisodeRecord, Turn
-from miles.errors import ConfigError, EpisodeError
+from miles.errors import ConfigError, EngineError, EpisodeError
 from miles.protocol import PromptTask
 from miles.rl.sampling import SamplingParams
 
@@ -322,26 +322,38 @@ class TurnStream:
 
     def submit(self, prompt: list[int], params: SamplingParams,
                stop_strings: tuple[str, ...]) -> asyncio.Future:
-        self._submitted += 1
+        self._submitted += 1  # (batch seed, turn number): no two turns of a run share a stream
+        turn_seed = int(np.random.SeedSequence([self.seed, self._submitted]).generate_state(1)[0])
         request = self.sampler.submit(list(prompt), params, stop_strings=stop_strings,
-                                      seed=self.seed + self._submitted)
+                                      seed=turn_seed)
         future = asyncio.get_running_loop().create_future()
         self._futures[request] = future
         return future
 
     async def step(self) -> None:
-        """One decoding step; the turns that ended get their results."""
-        for request in await self.in_engine(self.sampler.step):
-            future = self._futures.pop(request, None)
-            if future is not None and not future.done():
+        """One decoding step; this runner's turns that ended get their results (whichever
+        step ended them: the sampler may be stepped by another runner of the engine too)."""
+        await self.in_engine(self.sampler.step)
+        for request in [r for r in self._futures if r.done]:
+            future = self._futures.pop(request)
+            if not future.done():
                 future.set_result(TurnResult(request.completions[0],
                                              request.token_versions[0]))
+        if self._futures and not self.sampler.rows_in_flight \
+                and not self.sampler.requests_pending:
+            raise EngineError(f"{len(self._futures)} turns are neither in the engine's batch "
+                              f"nor finished (aborted elsewhere?)")
 
     async def abort_all(self) -> None:
-        """Drop this runner's turns still in the batch (a failed batch must leave none)."""
-        requests, self._futures = list(self._futures), {}
+        """Drop this runner's turns still in the batch (a failed batch must leave none), in
+        one engine call that a second cancellation does not interrupt."""
+        requests = list(self._futures)
+        self._futures = {}
+        await asyncio.shield(self.in_engine(self._abort, requests))
+
+    def _abort(self, requests: list) -> None:
         for request in requests:
-            await self.in_engine(self.sampler.abort, request)
+            self.sampler.abort(request)
 
 
 async def _build(factory: EnvironmentFactory) -> Environment:

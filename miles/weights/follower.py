@@ -29,7 +29,7 @@ from collections import deque
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
-from miles.errors import MilesError
+from miles.errors import EngineUnavailableError, MilesError
 from miles.protocol import WeightVersion
 from miles.weights.following import Announcements, FollowConfig, lineage, may_load_later
 from miles.weights.signing import Verifier
@@ -58,6 +58,7 @@ class WeightFollower:
         self._loaded = (0, 0)  # lineage (generation, policy version) of the engine's weights
         self._failed: set[tuple[int, int]] = set()  # candidates that may load later
         self._retry_at = 0.0  # monotonic time to retry the versions that failed
+        self._unreachable = False  # the last load failed because the engine was unreachable
         self.load_latencies: deque[float] = deque(maxlen=1000)  # announce -> in use, seconds
 
     def unverified(self, record, what: str) -> bool:
@@ -99,11 +100,14 @@ class WeightFollower:
         newer = self.announced.newer_than(self._loaded)
         self._failed &= {lineage(v) for v in self.announced.candidates}
         loaded = None
+        self._unreachable = False
         for version in newer:
             failed_before = lineage(version) in self._failed
             if (retry or not failed_before) and await self._load(version,
                                                                  report=not failed_before):
                 loaded = version
+                break
+            if self._unreachable:  # the engine, not the version: older ones would fail alike
                 break
         self._retry_at = time.monotonic() + WEIGHT_RETRY_S
         return loaded
@@ -120,6 +124,7 @@ class WeightFollower:
             fetch_s = time.perf_counter() - began
             apply_s = await self._apply(folder, version, new_lineage)
         except MilesError as err:
+            self._unreachable = isinstance(err, EngineUnavailableError)
             if may_load_later(err):
                 self._failed.add(lineage(version))
             else:

@@ -157,3 +157,28 @@ def test_stream_turns_needs_a_continuous_batcher(engine):
 
     with pytest.raises(ConfigError, match="stream_turns needs an engine with a continuous"):
         EpisodeRunner(Batchless(), Environment, STREAM, LONG, generate_in_engine=None)
+
+
+async def test_a_turn_that_leaves_the_batch_unfinished_fails_the_batch(engine, monkeypatch):
+    """A turn aborted behind the runner's back (another user of the engine's batcher) can never
+    finish: the batch fails with an EngineError instead of stepping an empty batch forever."""
+    sampler = engine.streaming_sampler()
+    submit, step = sampler.submit, sampler.step
+    submitted = []
+
+    def remembered_submit(*args, **kwargs):
+        submitted.append(submit(*args, **kwargs))
+        return submitted[-1]
+
+    def step_then_abort_all():
+        done = step()
+        for request in submitted:
+            sampler.abort(request)
+        return done
+
+    monkeypatch.setattr(sampler, "submit", remembered_submit)
+    monkeypatch.setattr(sampler, "step", step_then_abort_all)
+    with pytest.raises(EngineError, match="neither in the engine's batch nor finished"):
+        await run_episodes(engine, envs.Counter, [prompt_task("a")], settings=STREAM,
+                           sampling=LONG)
+    assert sampler.rows_in_flight == 0 and envs.Counter.closed == 2

@@ -219,6 +219,40 @@ def test_abort_drops_a_request_and_the_others_go_on_unchanged(engine, prompts):
             assert_same(streamed, expected)
 
 
+@pytest.mark.parametrize("fails_in", ["_sample", "_prefill"])
+def test_a_step_that_raises_leaves_the_rows_in_flight_consistent(engine, prompts, fails_in,
+                                                                 monkeypatch):
+    """A step raises after the cache moved (`_sample`: decoded, no token appended) or while the
+    rows were being rebuilt (`_prefill` after a weight load): the rows stay in flight, and the
+    survivors' tokens are still scored by the model (a cache one token ahead of its rows gave
+    logprobs off by 0.027)."""
+    params = SamplingParams(n=2, temperature=1.0, max_new_tokens=20)
+    sampler = StreamingSampler(engine)
+    requests = [sampler.submit(p, params, seed=i) for i, p in enumerate(prompts[:2])]
+    for _ in range(3):
+        sampler.step()
+    real = getattr(sampler, fails_in)
+
+    def broken(*args, **kwargs):
+        raise EngineError("a step failed part-way")
+
+    monkeypatch.setattr(sampler, fails_in, broken)
+    if fails_in == "_prefill":
+        engine.weight_loads += 1  # as after a load: the next step rebuilds every row
+    rows = sampler.rows_in_flight
+    with pytest.raises(EngineError, match="part-way"):
+        sampler.step()
+    monkeypatch.setattr(sampler, fails_in, real)
+    assert sampler.rows_in_flight == rows
+    sampler.abort(requests[0])
+    while not requests[1].done:
+        sampler.step()
+    for completion in requests[1].completions:
+        expected = teacher_forced(engine.model, prompts[1], completion.token_ids, params)
+        np.testing.assert_allclose(completion.logprobs, expected.numpy(),
+                                   atol=LOGPROB_TOLERANCE)
+
+
 def test_the_cache_is_as_wide_as_the_longest_context_in_flight(engine, prompts):
     rng = np.random.default_rng(0)
     sampler = StreamingSampler(engine)

@@ -14,7 +14,7 @@ import pytest
 from miles.bus import open_bus
 from miles.engines.base import LoraSettings
 from miles.engines.hf import HFEngine
-from miles.errors import EngineUnavailableError
+from miles.errors import EngineError, EngineUnavailableError
 from miles.feeder import feed
 from miles.protocol import Heartbeat, decode, encode
 from miles.protocol.topics import run_topics, topic_name
@@ -137,41 +137,58 @@ async def test_load_time_counts_the_load_not_the_wait_behind_a_generate(model_di
 
 class UnreachableEngine(HFEngine):
     """An engine behind a server that is down while `down` is set: every load fails as
-    unreachable (`EngineUnavailableError`), as a vLLM server's does while it restarts."""
+    unreachable (`EngineUnavailableError`), as a vLLM server's does while it restarts; a
+    version in `refused` is refused by the server (a plain EngineError)."""
 
     down = True
+    refused: set[int] = set()
+    tried: list[int] = []
 
     def load_adapter(self, adapter_dir, policy_version, *, new_lineage=False):
+        self.tried.append(policy_version)
         if self.down:
             raise EngineUnavailableError("POST /v1/load_lora_adapter: connection refused")
+        if policy_version in self.refused:
+            raise EngineError(f"cannot load adapter v{policy_version}: HTTP 400")
         return super().load_adapter(adapter_dir, policy_version, new_lineage=new_lineage)
 
 
 async def test_a_version_announced_while_the_engine_is_unreachable_loads_once_it_is_back(
         model_dir, versions, monkeypatch):
-    """A server down for a restart says nothing about the version: it is reported once, kept,
-    and loaded when the server answers again (it was dropped for good, and the producer waited
-    for it forever: the vLLM tier's server-restart run hung at 'loaded 2')."""
-    monkeypatch.setattr(follower, "WEIGHT_RETRY_S", 0.2)
+    """A server down for a restart says nothing about the versions: the newest is reported
+    once, kept and retried every WEIGHT_RETRY_S (not the older ones behind it, which would fail
+    alike), and loaded when the server answers again (it was dropped for good, and the producer
+    waited for it forever: the vLLM tier's server-restart run hung at 'loaded 2'). A version
+    the server refuses is still dropped."""
+    monkeypatch.setattr(follower, "WEIGHT_RETRY_S", 0.5)
     store, records = versions
     run = "unreachable"
     async with open_bus("embedded://") as bus:
         await bus.create_topics(run_topics(run, prompt_partitions=1, trajectory_partitions=1))
         engine = UnreachableEngine(model_dir, lora=LORA)
+        engine.tried, engine.refused = [], {7}  # 3 to 5 are broken by the first test
         worker = RolloutWorker(bus, engine, Scorer(starts_with_digit), RolloutConfig(
             run=run, heartbeat_s=60, weights=FollowConfig(store=store)))
         stop = asyncio.Event()
         running = asyncio.create_task(worker.run(stop))
+        control = topic_name(run, "control")
         try:
-            await bus.publish(topic_name(run, "control"), encode(records[1]))
+            await bus.publish(control, encode(records[1]))
             await wait_for(lambda: worker.counts["producer/weight_errors"] == 1)
-            await asyncio.sleep(1.0)  # several retries while it is down: reported once
-            assert engine.policy_version == 0 and worker.counts["producer/weight_errors"] == 1
-            assert worker.follower.failures() == ("versions 1 failed to load, retried every "
-                                                  "0.2 s")
+            await bus.publish(control, encode(records[2]))
+            await wait_for(lambda: worker.counts["producer/weight_errors"] == 2)
+            await asyncio.sleep(1.3)  # two or three retries while it is down, reported once
+            assert engine.policy_version == 0 and worker.counts["producer/weight_errors"] == 2
+            assert 3 <= engine.tried.count(2) <= 5 and engine.tried.count(1) == 1, engine.tried
+            assert worker.follower.failures() == ("versions 2, 1 failed to load, retried "
+                                                  "every 0.5 s")
             engine.down = False
-            await wait_for(lambda: engine.policy_version == 1)
+            await wait_for(lambda: engine.policy_version == 2)
+            await bus.publish(control, encode(records[7]))  # refused: dropped, never retried
+            await wait_for(lambda: worker.counts["producer/weight_errors"] == 3)
+            await asyncio.sleep(1.2)
+            assert engine.tried.count(7) == 1 and worker.follower.failures() is None
         finally:
             stop.set()
             await asyncio.wait_for(running, 30)
-    assert worker.counts["producer/weight_loads"] == 1
+    assert worker.counts["producer/weight_loads"] == 1 and engine.policy_version == 2
