@@ -45,7 +45,7 @@ from pathlib import Path
 
 from miles.admission import TrainerView, required_version
 from miles.bus import Bus, TopicPartition
-from miles.bus.commits import DoneOffsets
+from miles.bus.commits import DoneOffsets, StreamOffsets
 from miles.bus.decoding import Decoded, DecodingConsumer
 from miles.engines.base import RolloutEngine, prompt_problem
 from miles.envs import EnvironmentFactory
@@ -56,6 +56,7 @@ from miles.protocol.topics import topic_name
 from miles.rl.sampling import SamplingParams
 from miles.service import wait_or_stop
 from miles.rollout_groups import EPISODE_COUNTERS, EpisodeGroups, SingleTurnGroups
+from miles.rollout_stream import WEIGHT_UPDATES, GroupStream
 from miles.tasks.rewards import Scorer
 from miles.weights.follower import WeightFollower
 from miles.weights.following import FollowConfig
@@ -72,6 +73,8 @@ class RolloutConfig:
     producer_id: str = "producer-0"
     sampling: SamplingParams = field(default_factory=SamplingParams)
     prompts_per_batch: int = 32  # prompts generated together in one engine call
+    max_in_flight: int = 0  # > 0: stream up to this many groups (hf, single-turn); 0: batches
+    weight_update: str = "continue"  # streaming: continue, finish or restart running samples
     max_staleness: int = 1  # same bound as the trainer's
     groups_per_step: int = 32  # the trainer's groups per optimizer step (for admission)
     heartbeat_s: float = 2.0
@@ -85,6 +88,19 @@ class RolloutConfig:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.max_staleness < 0:
             raise ConfigError(f"max_staleness must be >= 0, got {self.max_staleness}")
+        if self.max_in_flight < 0:
+            raise ConfigError(f"max_in_flight must be >= 0, got {self.max_in_flight}")
+        if self.weight_update not in WEIGHT_UPDATES:
+            raise ConfigError(f"weight_update must be one of {', '.join(WEIGHT_UPDATES)}, got "
+                              f"{self.weight_update!r}")
+
+    def check_streaming(self, engine: str, env: str) -> None:
+        """ConfigError when streaming (`max_in_flight` > 0) is asked of what cannot stream."""
+        if self.max_in_flight and (engine != "hf" or env):
+            raise ConfigError(f"rollout.max_in_flight streams single-turn groups on the hf "
+                              f"engine (got engine {engine!r}{f', env {env!r}' if env else ''});"
+                              f" set it to 0 (episodes stream turns with "
+                              f"episodes.stream_turns)")
 
 
 def timed(fn, *args) -> float:
@@ -121,7 +137,13 @@ class RolloutWorker:
         self.follower = WeightFollower(config.weights, base_model=config.base_model,
                                        counts=self.counts, apply=self._apply,
                                        reject=self._reject)
-        self.commits = DoneOffsets()  # prompts whose groups are published, to commit
+        self.stream = None  # streaming: the groups in the engine's continuous batcher
+        if config.max_in_flight:
+            config.check_streaming(engine.name, "an environment" if env is not None else "")
+            self.stream = GroupStream(self.groups, self._in_engine, config.weight_update,
+                                      config.seed, on_error=self._engine_error)
+        # prompts whose groups are published, to commit
+        self.commits = StreamOffsets() if self.stream else DoneOffsets()
         self.waiting: str | None = None  # what admission waits for (None: it admits)
         self._waiting_since = time.monotonic()
         self._sequence = 0
@@ -160,6 +182,9 @@ class RolloutWorker:
                                        expected=PromptTask,
                                        name=self.config.producer_id)
             trajectories = await self._trajectory_partitions()
+            if self.stream is not None:
+                await self._stream_loop(stop, drain, consumer, prompts, trajectories)
+                return
             while not stop.is_set() and not drain.is_set():
                 if not await self._admit(stop, consumer, trajectories):
                     continue
@@ -169,6 +194,56 @@ class RolloutWorker:
                     await wait_or_stop(stop, ADMISSION_POLL_S)
                     continue
                 await self._batch(consumer, prompts, batch, stop)
+
+    async def _stream_loop(self, stop: asyncio.Event, drain: asyncio.Event, consumer,
+                           prompts: DecodingConsumer, trajectories) -> None:
+        """Keep up to `max_in_flight` groups in the engine, each admitted on its own; publish
+        and commit each as it ends. On stop or drain, the groups in flight finish first."""
+        finished = asyncio.Event()
+        groups: set[asyncio.Task] = set()
+        async with asyncio.TaskGroup() as tasks:
+            tasks.create_task(self.stream.run(finished))
+            while not stop.is_set() and not drain.is_set():
+                await self.commits.commit()
+                room = await self._stream_room(stop, consumer, trajectories)
+                if not room:
+                    await wait_or_stop(stop, ADMISSION_POLL_S)
+                    continue
+                polled = await prompts.poll(max_records=room, timeout_s=0.05)
+                if self.commits.revoking:  # these positions restart from the group's commit
+                    continue
+                for item, ids in await self._takeable(prompts, polled):
+                    self.commits.take(item.record)
+                    group = tasks.create_task(self._stream_group(prompts, item, ids))
+                    groups.add(group)
+                    group.add_done_callback(groups.discard)
+                self.commits.polled(prompts.polled)
+            while groups:  # let the groups in flight finish
+                await asyncio.wait(set(groups))
+            finished.set()
+        await self.commits.commit()
+
+    async def _stream_room(self, stop: asyncio.Event, consumer, trajectories) -> int:
+        """How many more groups may start now: the free slots, each admitted on its own."""
+        taken = self.commits.in_flight()  # prompts whose groups are not published yet
+        free = self.config.max_in_flight - taken
+        if free <= 0 or self.stream.holding or self.commits.revoking:
+            return 0
+        if not await self._admit(stop, consumer, trajectories, batch=1, unpublished=taken):
+            return 0
+        return free
+
+    async def _stream_group(self, prompts: DecodingConsumer, item: Decoded,
+                            ids: list[int]) -> None:
+        """Generate, score and publish one prompt's group, then mark its record done."""
+        self._sequence += 1
+        group = await self.stream.group(item.value, ids, self._sequence)
+        await (await self.bus.send(self._topic("trajectories"), encode(group),
+                                   key=group.task_id.encode()))
+        self.counts["producer/groups"] += 1
+        self.counts["producer/tokens"] += sum(s.policy_tokens for s in group.samples)
+        self.counts["producer/generate_s"] = self.stream.busy_s
+        self.commits.finish(item.record)
 
     async def _batch(self, consumer, prompts: DecodingConsumer, batch, stop: asyncio.Event) -> None:
         """Generate and publish one polled batch, then commit it (`DoneOffsets`: a revocation
@@ -208,25 +283,32 @@ class RolloutWorker:
         """The engine failed on a batch (a server restart, a bad request): its prompts are not
         committed; rewind to them and try again after a pause. Generation goes on."""
         self._in_flight = 0
-        self.counts["producer/engine_errors"] += 1
         log.error("generation failed, retrying the batch in %g s: %s", ENGINE_RETRY_S, err)
-        await self._heartbeat(error=f"generation failed: {err}")
+        await self._engine_error(f"generation failed: {err}")
         for tp in {d.record.tp for d in batch}:
             consumer.seek(tp, min(d.record.offset for d in batch if d.record.tp == tp))
         await wait_or_stop(stop, ENGINE_RETRY_S)
+
+    async def _engine_error(self, error: str) -> None:
+        self.counts["producer/engine_errors"] += 1
+        await self._heartbeat(error=error)
 
     async def _trajectory_partitions(self) -> list[TopicPartition]:
         topic = self._topic("trajectories")
         info = (await self.bus.describe_topics([topic]))[topic]
         return [TopicPartition(topic, p) for p in range(info.partitions)]
 
-    async def _admit(self, stop: asyncio.Event, consumer, partitions) -> bool:
+    async def _admit(self, stop: asyncio.Event, consumer, partitions, batch: int | None = None,
+                     unpublished: int = 0) -> bool:
+        """Whether `batch` more groups (default `prompts_per_batch`) are fresh enough when
+        trained, after those published and `unpublished` ones still in the engine."""
         if self.paused:
             await wait_or_stop(stop, ADMISSION_POLL_S * 10)
             return False
         published = sum((await consumer.end_offsets(partitions)).values())
-        needed = required_version(trainer=self.trainer, in_flight=published - self.trainer.consumed,
-                                  batch=self.config.prompts_per_batch,
+        needed = required_version(trainer=self.trainer,
+                                  in_flight=published + unpublished - self.trainer.consumed,
+                                  batch=batch or self.config.prompts_per_batch,
                                   groups_per_step=self.config.groups_per_step,
                                   max_staleness=self.config.max_staleness)
         self._wait_for(needed)
@@ -324,10 +406,14 @@ class RolloutWorker:
         await self._heartbeat(error=f"version {version.policy_version}: {why}")
 
     async def _apply(self, folder: Path, version: WeightVersion, new_lineage: bool) -> float:
-        """Load a fetched version into the engine, in its thread; the seconds it took there."""
-        return await self._in_engine(
-            timed, functools.partial(self.engine.load_version, new_lineage=new_lineage),
-            folder, version.policy_version, version.format)
+        """Load a fetched version into the engine, in its thread (streaming: under the
+        weight-update policy); the seconds it took there."""
+        load = functools.partial(timed, functools.partial(
+            self.engine.load_version, new_lineage=new_lineage), folder, version.policy_version,
+            version.format)
+        if self.stream is not None:
+            return await self.stream.load(load, version.policy_version, version.created_at)
+        return await self._in_engine(load)
 
     # -- status -------------------------------------------------------------------------------
 
@@ -373,6 +459,8 @@ class RolloutWorker:
                  "load_s": round(self.counts["producer/load_s"], 3)}
         if self.env is not None:
             extra.update(episode_extras(self.counts))
+        if self.stream is not None:
+            extra.update(self.stream.extras())
         if self.waiting is not None:
             extra["waiting"] = self.waiting
         if self.follower.load_latencies:
@@ -381,7 +469,8 @@ class RolloutWorker:
             extra["error"] = error
         beat = Heartbeat(producer_id=self.config.producer_id, role="producer",
                          engine=self.engine.name, policy_version=self.engine.policy_version,
-                         in_flight=self._in_flight,
+                         in_flight=self._in_flight if self.stream is None
+                         else self.commits.in_flight(),
                          tokens_per_s=self.counts["producer/tokens"] / elapsed,
                          extra=extra, created_at=time.time())
         await self.bus.publish(self._topic("status"), encode(beat),

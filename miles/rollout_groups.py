@@ -92,26 +92,33 @@ class SingleTurnGroups(GroupBuilder):
         completions = await self.in_engine(self.engine.generate, [ids for _, ids in batch],
                                            self.sampling, seed=seed)
         self.generate_s = time.perf_counter() - began
-        return [await self._group(task, prompt, outs, sequence)
+        return [await self.scored_group(task, prompt, outs, sequence)
                 for (task, prompt), outs in zip(batch, completions)]
 
-    async def _group(self, task: PromptTask, prompt: list[int], completions: list[Completion],
-                     sequence: int) -> TrajectoryGroup:
+    async def scored_group(self, task: PromptTask, prompt: list[int],
+                           completions: list[Completion], sequence: int,
+                           token_versions: list[np.ndarray] | None = None,
+                           generate_s: float | None = None) -> TrajectoryGroup:
+        """The group of `completions`, scored; `token_versions[i]` are sample i's per-token
+        versions (None: each sample's `policy_version` for all its tokens); `generate_s` its
+        generation time (None: the last batch's)."""
         began = time.perf_counter()
         n = len(completions)
         texts = [self.engine.decode(c.token_ids[:-1] if c.finish_reason == "stop"
                                     else c.token_ids) for c in completions]
         scored = await self.scorer.score(texts, [task.reference] * n, [task.prompt] * n)
-        samples = [_sample(c, s) for c, s in zip(completions, scored, strict=True)]
+        versions = token_versions or [None] * n
+        samples = [_sample(c, s, v) for c, s, v in zip(completions, scored, versions, strict=True)]
         return self.group(task, prompt, samples, sequence, self.sampling.as_wire(),
-                          {"generate_s": self.generate_s,
+                          {"generate_s": self.generate_s if generate_s is None else generate_s,
                            "reward_s": time.perf_counter() - began})
 
 
-def _sample(completion: Completion, scored: Scored) -> Sample:
+def _sample(completion: Completion, scored: Scored, versions: np.ndarray | None) -> Sample:
     ids = completion.token_ids
-    return Sample(response_token_ids=ids, logprobs=completion.logprobs,
-                  versions=np.full(len(ids), completion.policy_version, dtype=np.int32),
+    if versions is None:
+        versions = np.full(len(ids), completion.policy_version, dtype=np.int32)
+    return Sample(response_token_ids=ids, logprobs=completion.logprobs, versions=versions,
                   reward=scored.reward, finish_reason=completion.finish_reason,
                   error=scored.error)
 

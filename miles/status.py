@@ -101,6 +101,8 @@ def producer_status(beats: list[Heartbeat], now: float, stale_s: float) -> dict:
             count(last, "weight_errors"), "last_error": errors[-1] if errors else None,
             "waiting": last.extra.get("waiting") if isinstance(last.extra.get("waiting"), str)
             else None,
+            "stream": {key: count(last, key) for key in STREAM_METRICS
+                       if count(last, key) is not None},
             **liveness(beats, now, stale_s)}
 
 
@@ -188,6 +190,10 @@ async def consumer_lag(bus: Bus, run: str,
 
 # -- text form -------------------------------------------------------------------------------
 
+# a streaming producer's heartbeat metrics (`miles.rollout_stream`, docs/streaming.md)
+STREAM_METRICS = ("busy_fraction", "generated_tokens_per_s", "in_flight_groups",
+                  "mixed_sample_share", "tokens_wasted", "restarted_groups",
+                  "first_token_after_version_s", "length_p50", "length_p90", "length_max")
 PRODUCER_COLUMNS = ("producer", "engine", "version", "in_flight", "tokens/s", "groups/s",
                     "groups", "state", "seen")
 
@@ -205,6 +211,9 @@ def format_status(status: dict) -> str:
     lines.extend(f"  {p['id']}: last error: {p['last_error']}"
                  for p in producers if p["last_error"])
     lines.extend(f"  {p['id']}: waiting for {p['waiting']}" for p in producers if p["waiting"])
+    lines.extend(f"  {p['id']}: streaming " + ", ".join(f"{k} {v:g}"
+                                                       for k, v in p["stream"].items())
+                 for p in producers if p["stream"])
     lines.extend(_trainer_lines(status["trainer"]))
     lines.append("consumer lag (end - committed offset):")
     for group, topics in status["consumer_lag"].items():

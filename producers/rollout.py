@@ -42,6 +42,7 @@ class ProducerSettings:
         if self.engine not in ENGINES:
             raise ConfigError(f"engine must be one of {', '.join(ENGINES)}, got {self.engine!r}")
         self.episodes.check_engine(self.engine)
+        self.rollout.check_streaming(self.engine, self.env)
 
 
 def _hf_engine(settings: ProducerSettings) -> RolloutEngine:

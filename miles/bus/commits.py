@@ -8,9 +8,16 @@ the group refuses because its membership already changed (`CommitFailedError`) i
 line and counted, never raised: the uncommitted records are re-delivered to the partition's new
 owner (at-least-once). Any other bus error propagates.
 
+`StreamOffsets` is the same for a streaming producer, whose records are taken one at a time and
+finish in any order: a partition's commit is its lowest record still in flight, or, with none in
+flight, the end of its last poll (records a poll dead-lettered or skipped are handled). A
+revocation waits for the records in flight on the revoked partitions only.
+
 Simplifications, chosen on purpose:
 - One batch at a time (the producer's loop); `begin`/`done`/`abandon` bracket it, and no batch
   begins between a revocation and the next assignment (`revoking`).
+- A streaming producer's record that finished above one still in flight is committed only once
+  that one finishes: a member killed meanwhile has both generated again (at-least-once).
 - A wait that times out commits only what is done; the batch still running is then redone by
   the partition's new owner, and its own commit later fails or covers partitions still held.
 """
@@ -19,9 +26,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Mapping
 
-from miles.bus.base import Consumer, TopicPartition
+from miles.bus.base import Consumer, Record, TopicPartition
 from miles.errors import CommitFailedError
 
 log = logging.getLogger(__name__)
@@ -90,3 +98,52 @@ class DoneOffsets:
             log.warning("partitions revoked with a batch still in flight after %g s; its "
                         "prompts will be generated again", REVOKE_WAIT_S)
         await self.commit(revoked)
+
+
+class StreamOffsets(DoneOffsets):
+    """Done offsets of records finished in any order (see the module docstring): `take` each
+    record as it starts, `finish` it once handled, and report each poll's end (`polled`)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._taken: dict[TopicPartition, set[int]] = {}  # offsets in flight
+        self._polled: dict[TopicPartition, int] = {}  # next offset after the last poll
+        self._position: dict[TopicPartition, int] = {}  # the last position marked done
+
+    def take(self, record: Record) -> None:
+        self._taken.setdefault(record.tp, set()).add(record.offset)
+
+    def finish(self, record: Record) -> None:
+        self._taken.get(record.tp, set()).discard(record.offset)
+        self._advance(record.tp)
+
+    def polled(self, offsets: Mapping[TopicPartition, int]) -> None:
+        """A poll ended at `offsets` (next offsets); the records it did not take are handled."""
+        for tp, offset in offsets.items():
+            self._polled[tp] = max(self._polled.get(tp, 0), offset)
+            self._advance(tp)
+
+    def in_flight(self, tps: set[TopicPartition] | None = None) -> int:
+        return sum(len(offsets) for tp, offsets in self._taken.items()
+                   if tps is None or tp in tps)
+
+    def _advance(self, tp: TopicPartition) -> None:
+        taken = self._taken.get(tp)
+        position = min(taken) if taken else self._polled.get(tp, 0)
+        if position > self._position.get(tp, 0):
+            self._position[tp] = self._done[tp] = position
+
+    async def on_revoked(self, revoked: set[TopicPartition]) -> None:
+        """Wait for the records in flight on `revoked` (at most `REVOKE_WAIT_S`), commit what is
+        done there, and forget those partitions (a later assignment starts at the commit)."""
+        self._revoking = True
+        deadline = time.monotonic() + REVOKE_WAIT_S
+        while self.in_flight(revoked) and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        if self.in_flight(revoked):
+            log.warning("partitions revoked with %d prompts still in flight after %g s; they "
+                        "will be generated again", self.in_flight(revoked), REVOKE_WAIT_S)
+        await self.commit(revoked)
+        for tp in revoked:
+            for state in (self._taken, self._polled, self._position):
+                state.pop(tp, None)

@@ -1,5 +1,7 @@
 """Elastic producers on the real broker: two producer processes share the prompts, one is
-killed with SIGKILL mid-run, and every prompt's group still reaches the trainer."""
+killed with SIGKILL mid-run, and every prompt's group still reaches the trainer. Both with
+batches and streaming (`max_in_flight`: groups end out of order, and each partition's commit
+stays at its lowest prompt in flight, so a kill loses none)."""
 
 from __future__ import annotations
 
@@ -24,20 +26,26 @@ pytestmark = [pytest.mark.kafka, pytest.mark.slow]
 PROMPTS = 160
 
 
-def producer(bus: str, run: str, model_dir, name: str, log, store):
+MODES = {"batch": ["rollout.prompts_per_batch=2", "rollout.sampling.max_new_tokens=3"],
+         "stream": ["rollout.max_in_flight=4", "rollout.sampling.max_new_tokens=48",
+                    "rollout.sampling.temperature=1.0"]}
+
+
+def producer(bus: str, run: str, model_dir, name: str, log, store, mode: str = "batch"):
     return spawn("producers.rollout", [
         f"bus={bus}", f"model_dir={model_dir}", "reward=tests.rewards:starts_with_digit",
-        f"rollout.run={run}", f"rollout.producer_id={name}", "rollout.prompts_per_batch=2",
+        f"rollout.run={run}", f"rollout.producer_id={name}", *MODES[mode],
         "rollout.groups_per_step=4", "rollout.max_staleness=1000", "rollout.sampling.n=2",
-        "rollout.sampling.max_new_tokens=3", "rollout.heartbeat_s=0.5",
-        f"rollout.weights.store={store}"], log)
+        "rollout.heartbeat_s=0.5", f"rollout.weights.store={store}"], log)
 
 
 def trained(out) -> list[str]:
     return [g for entry in ledger(out) for g in entry["trained"]]
 
 
-async def test_a_killed_producer_s_prompts_reach_the_trainer(kafka_broker, model_dir, tmp_path):
+@pytest.mark.parametrize("mode", ["batch", "stream"])
+async def test_a_killed_producer_s_prompts_reach_the_trainer(kafka_broker, model_dir, tmp_path,
+                                                             mode):
     run = unique_run()
     async with open_bus(kafka_broker.url) as bus:
         await bus.create_topics(run_topics(run, prompt_partitions=4, trajectory_partitions=2))
@@ -47,9 +55,9 @@ async def test_a_killed_producer_s_prompts_reach_the_trainer(kafka_broker, model
             kafka_broker.url, run, model_dir, out, groups_per_step=1, max_staleness=1000,
             checkpoint_every=0), tmp_path / "trainer.log")
         a = producer(kafka_broker.url, run, model_dir, "producer-a", tmp_path / "a.log",
-                     out / "weights")
+                     out / "weights", mode)
         b = producer(kafka_broker.url, run, model_dir, "producer-b", tmp_path / "b.log",
-                     out / "weights")
+                     out / "weights", mode)
         groups: list[TrajectoryGroup] = []
         try:
             async with bus.consumer([topic_name(run, "trajectories")], group_id="audit") as audit:

@@ -310,7 +310,7 @@ async def test_the_producer_scores_a_group_with_one_call_and_records_errors():
                                            ([2, 2, 2], "stop"))]
         task = make_prompt_task(prompt="P", reference="ab")
         worker.groups.generate_s = 1.0  # the batch's engine time
-        group = await worker.groups._group(task, [5, 6], completions, sequence=1)
+        group = await worker.groups.scored_group(task, [5, 6], completions, sequence=1)
     finally:
         worker._executor.shutdown()
     assert calls == [(["ab", "ba", "cc"], ["ab"] * 3, ["P"] * 3)], "cut at EOS, one call"

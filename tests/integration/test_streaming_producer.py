@@ -1,0 +1,162 @@
+"""The streaming producer (`rollout.max_in_flight`) on the embedded bus with real adapters:
+groups leave the engine's running batch as they end and their prompts are committed in order;
+a version announced mid-generation is loaded under each `weight_update` policy, and a
+`continue` sample's per-token versions and logprobs are those of the weights that sampled them."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from miles.bus import open_bus
+from miles.engines.base import LoraSettings
+from miles.engines.hf import HFEngine
+from miles.errors import ConfigError
+from miles.feeder import feed
+from miles.protocol import TrajectoryGroup, decode, encode
+from miles.protocol.topics import run_topics, topic_name
+from miles.rl.sampling import SamplingParams
+from miles.rollout import RolloutConfig, RolloutWorker
+from miles.status import collect_status, format_status
+from miles.tasks.arithmetic import arithmetic_problems
+from miles.tasks.rewards import Scorer
+from miles.weights.following import FollowConfig
+from miles.weights.store import base_model_id, write_version
+from producers.rollout import ProducerSettings
+from tests.integration.test_hf_engine import save_adapter
+from tests.integration.test_hf_stream import LOGPROB_TOLERANCE, teacher_forced
+from tests.integration.test_weight_loading import wait_for
+from tests.rewards import starts_with_digit
+
+LORA = LoraSettings(r=4, alpha=8)
+LONG = SamplingParams(n=2, temperature=1.0, max_new_tokens=40)
+
+
+@pytest.fixture(scope="module")
+def adapters(model_dir, tmp_path_factory):
+    """Version 1 of a weight store: an adapter that changes the model (nonzero lora_B), with
+    the peft model that scores under it."""
+    store = tmp_path_factory.mktemp("stream-weights")
+    models = {}
+
+    def write(folder):
+        models[1] = save_adapter(model_dir, folder, LORA, seed=1)
+
+    record = write_version(store, policy_version=1, step=1, base_model=base_model_id(model_dir),
+                           write=write)
+    return store, record, models[1]
+
+
+async def start(bus, run: str, model_dir, store, **settings):
+    await bus.create_topics(run_topics(run, prompt_partitions=2, trajectory_partitions=1))
+    engine = HFEngine(model_dir, lora=LORA)
+    worker = RolloutWorker(bus, engine, Scorer(starts_with_digit), RolloutConfig(
+        run=run, base_model=base_model_id(model_dir), weights=FollowConfig(store=store),
+        heartbeat_s=60, max_staleness=100, **settings))
+    stop = asyncio.Event()
+    return worker, stop, asyncio.create_task(worker.run(stop))
+
+
+async def published(bus, run: str, count: int) -> list[TrajectoryGroup]:
+    groups: list[TrajectoryGroup] = []
+    async with bus.consumer([topic_name(run, "trajectories")], group_id="audit") as audit:
+        while len(groups) < count:
+            groups += [decode(r.value, TrajectoryGroup) for r in await audit.poll(timeout_s=1)]
+    return groups
+
+
+async def test_groups_stream_out_as_they_end_and_their_prompts_commit(model_dir, adapters):
+    store, _, _ = adapters
+    run = "stream-basic"
+    fed = arithmetic_problems("train")[:16]
+    async with open_bus("embedded://") as bus:
+        worker, stop, running = await start(bus, run, model_dir, store, max_in_flight=4,
+                                            sampling=SamplingParams(n=2, max_new_tokens=12))
+        most = 0
+
+        def count_in_flight() -> bool:
+            nonlocal most
+            most = max(most, worker.commits.in_flight())
+            return worker.counts["producer/groups"] == len(fed)
+
+        try:
+            await feed(bus, run, fed)
+            await wait_for(count_in_flight, timeout_s=60)
+            await worker._heartbeat()
+            status = await collect_status(bus, run)
+        finally:
+            stop.set()
+            await asyncio.wait_for(running, 30)
+        groups = await published(bus, run, len(fed))
+        committed = (await bus.group_offsets([topic_name(run, "prompts")]))[
+            f"miles.{run}.producers"]
+    assert 1 < most <= 4
+    assert sorted(g.task_id for g in groups) == sorted(p.task_id for p in fed)
+    assert sum(committed.values()) == len(fed)  # every prompt, on both partitions
+    extras = worker.stream.extras()
+    assert 0 < extras["busy_fraction"] <= 1 and extras["generated_tokens_per_s"] > 0
+    assert extras["length_max"] <= 12 and extras["mixed_sample_share"] == 0
+    reported = status["producers"][0]["stream"]  # what `miles status` shows
+    assert 0 < reported["busy_fraction"] <= 1 and reported["length_max"] <= 12
+    assert "streaming busy_fraction" in format_status(status)
+    assert {int(v) for g in groups for s in g.samples for v in s.versions} == {0}
+
+
+@pytest.mark.parametrize("policy", ["continue", "finish", "restart"])
+async def test_a_version_announced_mid_generation_under_each_policy(model_dir, adapters, policy):
+    store, record, trained = adapters
+    run = f"stream-{policy}"
+    fed = arithmetic_problems("train")[:6]
+    async with open_bus("embedded://") as bus:
+        worker, stop, running = await start(bus, run, model_dir, store, max_in_flight=3,
+                                            sampling=LONG, weight_update=policy)
+        sampler = worker.stream.sampler
+        try:
+            await feed(bus, run, fed, shuffle=False)
+            await wait_for(lambda: sampler.tokens_generated >= 30 and worker.stream.in_flight)
+            started = worker.stream.in_flight
+            await bus.publish(topic_name(run, "control"), encode(record))
+            await wait_for(lambda: worker.counts["producer/groups"] == len(fed), timeout_s=90)
+        finally:
+            stop.set()
+            await asyncio.wait_for(running, 30)
+        groups = await published(bus, run, len(fed))
+    samples = [(g.prompt_token_ids.tolist(), s) for g in groups for s in g.samples]
+    versions = [s.versions.tolist() for _, s in samples]
+    mixed = [v for v in versions if len(set(v)) > 1]
+    assert all(v == sorted(v) for v in versions)
+    seen = {x for v in versions for x in v}
+    assert seen == ({1} if policy == "restart" else {0, 1}) or seen == {0, 1}
+    extras = worker.stream.extras()
+    assert "first_token_after_version_s" in extras
+    if policy == "continue":
+        assert mixed and extras["mixed_sample_share"] > 0 and extras["tokens_wasted"] == 0
+        base = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+        for prompt, s in samples:  # each token's logprob under the weights that sampled it
+            tokens, at = s.response_token_ids, s.versions
+            expected = torch.where(torch.tensor(at) == 0,
+                                   teacher_forced(base, prompt, tokens, LONG),
+                                   teacher_forced(trained, prompt, tokens, LONG))
+            np.testing.assert_allclose(s.logprobs, expected.numpy(), atol=LOGPROB_TOLERANCE)
+    else:
+        assert not mixed and extras["mixed_sample_share"] == 0
+    if policy == "finish":  # the groups running at the announcement ended on version 0
+        assert sum(set(v) == {0} for v in versions) >= 2 * started
+        assert extras["tokens_wasted"] == 0
+    if policy == "restart":  # they were thrown away and generated again under version 1
+        assert extras["tokens_wasted"] >= 30 and extras["restarted_groups"] >= 1
+        assert worker.counts["producer/groups"] == len(fed)
+
+
+def test_streaming_is_refused_where_it_cannot_run():
+    with pytest.raises(ConfigError, match="max_in_flight"):
+        ProducerSettings(engine="vllm-server", rollout=RolloutConfig(max_in_flight=4))
+    with pytest.raises(ConfigError, match="max_in_flight"):
+        ProducerSettings(env="calculator", rollout=RolloutConfig(max_in_flight=4))
+    with pytest.raises(ConfigError, match="weight_update"):
+        RolloutConfig(max_in_flight=4, weight_update="later")
+    ProducerSettings(rollout=RolloutConfig(max_in_flight=4))  # hf, single-turn: fine
