@@ -27,8 +27,8 @@ Simplifications, chosen on purpose:
 - Logits are processed and sampled per request (each has its own params and its own generator),
   so a seeded request with n=1 samples exactly what `generate` samples for it alone, whatever
   else is in flight; the per-request loop costs a few small ops per request and step.
-- Only plain `DynamicLayer` caches (full attention) are supported; sliding-window or hybrid
-  models are rejected when the first step meets their cache.
+- Only plain `DynamicLayer` caches (full attention) are supported; a sliding-window or hybrid
+  model is refused when its sampler is built (the cache its config asks for is checked).
 - `Completion.policy_version` is the version of a response's first token (its oldest: versions
   only grow within a lineage); `Request.token_versions` has every token's.
 """
@@ -98,6 +98,7 @@ class StreamingSampler:
 
     def __init__(self, engine: HFEngine):
         self.engine = engine
+        _check_plain(DynamicCache(config=engine.model.config))
         self._cache_name = cache_argument(engine.model)
         self._pending: deque[Request] = deque()
         self._pending_lock = threading.Lock()
@@ -304,7 +305,9 @@ def _reached_stop(stops: StopStrings, tokens: list[int]) -> bool:
 def _check_plain(cache: DynamicCache) -> None:
     if not all(type(layer) is DynamicLayer for layer in cache.layers):
         kinds = sorted({type(layer).__name__ for layer in cache.layers})
-        raise EngineError(f"streaming needs full-attention caches (DynamicLayer), got {kinds}")
+        raise EngineError(f"streaming needs full-attention caches (DynamicLayer), got {kinds}: "
+                          f"generate in batches with this model (rollout.max_in_flight=0, "
+                          f"episodes.stream_turns=false)")
 
 
 def _join(first: DynamicCache, second: DynamicCache) -> DynamicCache:

@@ -5,6 +5,7 @@ cache that never grows past the longest context in flight."""
 
 from __future__ import annotations
 
+import json
 import threading
 
 import numpy as np
@@ -126,6 +127,16 @@ def test_qwen2_rows_joining_mid_flight_score_as_the_model(tmp_path):
             torch.testing.assert_close(torch.from_numpy(c.logprobs),
                                        teacher_forced(qwen.model, prompt, c.token_ids, FILTERED),
                                        rtol=0, atol=LOGPROB_TOLERANCE)
+
+
+def test_a_sliding_window_model_is_refused_when_its_sampler_is_built(tmp_path):
+    model_dir = build_tiny_model(tmp_path / "qwen2", arch="qwen2", hidden_size=64, layers=2)
+    config = json.loads((model_dir / "config.json").read_text())
+    config.update(use_sliding_window=True, sliding_window=8, max_window_layers=0,
+                  layer_types=["sliding_attention"] * 2)
+    (model_dir / "config.json").write_text(json.dumps(config))
+    with pytest.raises(EngineError, match="DynamicSlidingWindowLayer"):
+        HFEngine(model_dir).streaming_sampler()
 
 
 def test_a_seeded_single_sample_is_the_same_alone_or_joined(engine, prompts):
