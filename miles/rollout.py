@@ -56,7 +56,7 @@ from miles.protocol.topics import topic_name
 from miles.rl.sampling import SamplingParams
 from miles.service import wait_or_stop
 from miles.rollout_groups import EPISODE_COUNTERS, EpisodeGroups, SingleTurnGroups
-from miles.rollout_stream import WEIGHT_UPDATES, GroupStream
+from miles.rollout_stream import WEIGHT_UPDATES, GroupStream, RequestStream
 from miles.tasks.rewards import Scorer
 from miles.weights.follower import WeightFollower
 from miles.weights.following import FollowConfig
@@ -65,6 +65,7 @@ log = logging.getLogger(__name__)
 ADMISSION_POLL_S = 0.02
 ENGINE_RETRY_S = 2.0  # pause before retrying a batch the engine failed on
 WAIT_WARN_S = 30.0  # admission waiting this long is logged (a stalled trainer or weights)
+STREAMING_ENGINES = ("hf", "vllm-server")  # a continuous batcher, or concurrent requests
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -96,11 +97,18 @@ class RolloutConfig:
 
     def check_streaming(self, engine: str, env: str) -> None:
         """ConfigError when streaming (`max_in_flight` > 0) is asked of what cannot stream."""
-        if self.max_in_flight and (engine != "hf" or env):
-            raise ConfigError(f"rollout.max_in_flight streams single-turn groups on the hf "
-                              f"engine (got engine {engine!r}{f', env {env!r}' if env else ''});"
-                              f" set it to 0 (episodes stream turns with "
-                              f"episodes.stream_turns)")
+        if not self.max_in_flight:
+            return
+        if engine not in STREAMING_ENGINES or env:
+            raise ConfigError(f"rollout.max_in_flight streams single-turn groups on the "
+                              f"{' or '.join(STREAMING_ENGINES)} engines (got engine {engine!r}"
+                              f"{f', env {env!r}' if env else ''}); set it to 0 (episodes "
+                              f"stream turns with episodes.stream_turns)")
+        if self.weight_update == "continue" and engine != "hf":
+            raise ConfigError(f"engine {engine!r} cannot continue a running request under new "
+                              f"weights (that needs the hf engine's continuous batcher); set "
+                              f"rollout.weight_update=finish (running requests end on their "
+                              f"adapter, new ones use the new one at once) or restart")
 
 
 def timed(fn, *args) -> float:
@@ -140,8 +148,10 @@ class RolloutWorker:
         self.stream = None  # streaming: the groups in the engine's continuous batcher
         if config.max_in_flight:
             config.check_streaming(engine.name, "an environment" if env is not None else "")
-            self.stream = GroupStream(self.groups, self._in_engine, config.weight_update,
-                                      config.seed, on_error=self._engine_error)
+            shared = (self.groups, self._in_engine, config.weight_update, config.seed,
+                      self._engine_error)
+            self.stream = (GroupStream(*shared) if hasattr(engine, "streaming_sampler") else
+                           RequestStream(*shared, max_in_flight=config.max_in_flight))
         # prompts whose groups are published, to commit
         self.commits = StreamOffsets() if self.stream else DoneOffsets()
         self.waiting: str | None = None  # what admission waits for (None: it admits)
@@ -163,6 +173,8 @@ class RolloutWorker:
                 await self._generation_loop(stop, drain)
                 stop.set()
         finally:
+            if self.stream is not None:
+                self.stream.close()
             self._executor.shutdown(wait=True)
 
     async def _in_engine(self, fn, *args, **kwargs):

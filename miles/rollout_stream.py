@@ -1,13 +1,15 @@
 """Streaming single-turn rollouts: groups join and leave the engine's running batch one by one.
 
-With `rollout.max_in_flight = M > 0` the producer keeps up to M prompts (groups) in the HF
-engine's continuous batcher (`miles.engines.hf_stream.StreamingSampler`) instead of generating
-`prompts_per_batch` at a time: each group is scored and published the moment its last sample
-ends, and a new prompt is taken at once (`miles.rollout` admits each one against the staleness
-bound). `GroupStream` owns the batcher's steps and the groups in it; `miles.rollout` takes the
-prompts, publishes, and commits them out of order (`miles.bus.commits.StreamOffsets`).
+With `rollout.max_in_flight = M > 0` the producer keeps up to M prompts (groups) in generation
+instead of generating `prompts_per_batch` at a time: each group is scored and published the
+moment its last sample ends, and a new prompt is taken at once (`miles.rollout` admits each one
+against the staleness bound, takes the prompts, publishes, and commits them out of order:
+`miles.bus.commits.StreamOffsets`). `GroupStream` keeps the groups in the HF engine's
+continuous batcher (`miles.engines.hf_stream.StreamingSampler`) and steps it; `RequestStream`
+sends each group as a call of its own (the `vllm-server` engine; see its docstring).
 
-A weight version arriving mid-generation is loaded under `rollout.weight_update`:
+A weight version arriving mid-generation is loaded under `rollout.weight_update` (as written
+here for `GroupStream`; `RequestStream` says what it does):
 - `continue` (default): loaded between two decoding steps; running samples go on under the new
   weights (their cache is rebuilt from their tokens), each token recording the version that
   sampled it (`Sample.versions`) with the logprob under that version. The trainer's correction
@@ -18,18 +20,18 @@ A weight version arriving mid-generation is loaded under `rollout.weight_update`
   tail at each update (the batch barrier, once per version). For an algorithm that must have one
   behaviour policy per sample.
 - `restart`: running samples are aborted and generated again under the new version
-  (`stream/tokens_wasted` counts the tokens thrown away). Cost: the wasted tokens, most on long
+  (`tokens_wasted` counts the tokens thrown away). Cost: the wasted tokens, most on long
   samples. One version per sample with no wait; fits short samples and frequent updates.
 
-Metrics (`stream_extras`, in the producer heartbeat and so in `miles status`): the engine's busy
+Metrics (`extras()`, in the producer heartbeat and so in `miles status`): the engine's busy
 fraction (seconds inside decoding steps / seconds since streaming began), tokens/s generated
 (wasted ones included), groups in flight, the share of published samples with tokens of more
 than one version, tokens wasted, time from a version's announcement (`created_at`) to the first
 token sampled under it, and published sample lengths (p50, p90, max of the last 1000).
 
 Simplifications, chosen on purpose:
-- Single-turn groups on the HF engine only; episodes stream their turns within a batch
-  (`episodes.stream_turns`), and vLLM engines keep generating in batches.
+- Single-turn groups only; episodes stream their turns within a batch
+  (`episodes.stream_turns`), and the in-process vLLM engine keeps generating in batches.
 - A decoding step that raises `EngineError` is retried after `ENGINE_RETRY_S` with the rows
   still in flight (the batcher rebuilds their cache), counted in `producer/engine_errors`.
 """
@@ -37,14 +39,15 @@ Simplifications, chosen on purpose:
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
+from concurrent.futures import ThreadPoolExecutor
 from collections import deque
 from collections.abc import Awaitable, Callable
 
 import numpy as np
 
-from miles.engines.base import RolloutEngine
 from miles.errors import EngineError
 from miles.protocol import PromptTask, TrajectoryGroup
 from miles.rollout_groups import SingleTurnGroups
@@ -57,23 +60,71 @@ LENGTHS_KEPT = 1000  # published sample lengths kept for the length percentiles
 RESTARTED = object()  # a request's result when the `restart` policy aborted it
 
 
-class GroupStream:
-    """The groups in the engine's continuous batcher (see the module docstring)."""
+class Stream:
+    """What both kinds of streams share: the policy, the seeds and the metrics."""
 
     def __init__(self, builder: SingleTurnGroups, in_engine: Callable[..., Awaitable],
                  weight_update: str, seed: int, on_error: Callable[[str], Awaitable]):
         self.builder, self.in_engine, self.policy = builder, in_engine, weight_update
-        self.sampler = builder.engine.streaming_sampler()
         self.seed = seed
-        self.on_error = on_error  # reports a failed step (the producer's heartbeat)
+        self.on_error = on_error  # reports a failed generation (the producer's heartbeat)
         self.holding = False  # a `finish` load waits: no group starts
         self.counts = {"samples": 0, "mixed_samples": 0, "restarts": 0}
         self.lengths: deque[int] = deque(maxlen=LENGTHS_KEPT)
         self.first_token_s: deque[float] = deque(maxlen=100)
-        self._futures: dict[object, asyncio.Future] = {}  # request -> its result
-        self._wake = asyncio.Event()
         self._announced: tuple[int, float] | None = None  # (version, created_at) awaiting a token
         self._started = time.monotonic()
+
+    def _seed(self, sequence: int) -> int:
+        """Group `sequence`'s seed: (run seed, group) through a SeedSequence, so no two groups
+        of a run share a stream."""
+        return int(np.random.SeedSequence([self.seed, sequence]).generate_state(1)[0])
+
+    def _count(self, group: TrajectoryGroup) -> None:
+        for sample in group.samples:
+            self.counts["samples"] += 1
+            self.counts["mixed_samples"] += int(sample.versions.min() != sample.versions.max())
+            self.lengths.append(len(sample.response_token_ids))
+
+    def _sampled_under(self, version: int) -> None:
+        """Tokens of `version` were sampled: the first under an announced version times its
+        latency from the announcement."""
+        if self._announced is not None and version == self._announced[0]:
+            self.first_token_s.append(max(time.time() - self._announced[1], 0.0))
+            self._announced = None
+
+    def _metrics(self, busy_s: float | None, generated: int, wasted: int,
+                 in_flight: int) -> dict[str, float | int]:
+        """The heartbeat's streaming metrics (see the module docstring)."""
+        elapsed = max(time.monotonic() - self._started, 1e-9)
+        out = {"generated_tokens_per_s": round(generated / elapsed, 2),
+               "in_flight_groups": in_flight, "tokens_wasted": wasted,
+               "restarted_groups": self.counts["restarts"],
+               "mixed_sample_share": round(self.counts["mixed_samples"]
+                                           / max(self.counts["samples"], 1), 4)}
+        if busy_s is not None:
+            out["busy_fraction"] = round(busy_s / elapsed, 4)
+        if self.first_token_s:
+            out["first_token_after_version_s"] = round(float(np.median(self.first_token_s)), 4)
+        if self.lengths:
+            p50, p90 = np.percentile(self.lengths, [50, 90])
+            out.update(length_p50=float(p50), length_p90=float(p90),
+                       length_max=int(max(self.lengths)))
+        return out
+
+    def close(self) -> None:
+        """Release what the stream holds (threads)."""
+
+
+class GroupStream(Stream):
+    """The groups in the engine's continuous batcher (see the module docstring)."""
+
+    def __init__(self, builder: SingleTurnGroups, in_engine: Callable[..., Awaitable],
+                 weight_update: str, seed: int, on_error: Callable[[str], Awaitable]):
+        super().__init__(builder, in_engine, weight_update, seed, on_error)
+        self.sampler = builder.engine.streaming_sampler()
+        self._futures: dict[object, asyncio.Future] = {}  # request -> its result
+        self._wake = asyncio.Event()
         self._baseline = (self.sampler.busy_seconds, self.sampler.tokens_generated,
                           self.sampler.tokens_wasted)
 
@@ -89,7 +140,7 @@ class GroupStream:
     async def group(self, task: PromptTask, prompt: list[int], sequence: int) -> TrajectoryGroup:
         """Generate `task`'s group in the running batch and score it."""
         began = time.perf_counter()
-        seed = int(np.random.SeedSequence([self.seed, sequence]).generate_state(1)[0])
+        seed = self._seed(sequence)
         while True:
             request = self.sampler.submit(list(prompt), self.builder.sampling, seed=seed)
             future = asyncio.get_running_loop().create_future()
@@ -102,12 +153,6 @@ class GroupStream:
                                                 generate_s=time.perf_counter() - began)
         self._count(group)
         return group
-
-    def _count(self, group: TrajectoryGroup) -> None:
-        for sample in group.samples:
-            self.counts["samples"] += 1
-            self.counts["mixed_samples"] += int(sample.versions.min() != sample.versions.max())
-            self.lengths.append(len(sample.response_token_ids))
 
     async def run(self, done: asyncio.Event) -> None:
         """Step the batcher while it has work, until `done`; resolve the groups that ended."""
@@ -125,16 +170,9 @@ class GroupStream:
                 await wait_or_stop(done, ENGINE_RETRY_S)
                 continue
             if self.sampler.tokens_generated > tokens:
-                self._sampled()
+                self._sampled_under(self.builder.engine.policy_version)
             for request in [r for r in self._futures if r.done]:
                 self._futures.pop(request).set_result(request)
-
-    def _sampled(self) -> None:
-        """Tokens were sampled: the first under an announced version times its latency."""
-        if self._announced is not None and \
-                self.builder.engine.policy_version == self._announced[0]:
-            self.first_token_s.append(max(time.time() - self._announced[1], 0.0))
-            self._announced = None
 
     async def load(self, load: Callable[[], float], version: int, created_at: float) -> float:
         """Load a version under the weight-update policy; the engine seconds it took."""
@@ -166,23 +204,81 @@ class GroupStream:
         return load()
 
     def extras(self) -> dict[str, float | int]:
-        """The heartbeat's streaming metrics (see the module docstring)."""
-        elapsed = max(time.monotonic() - self._started, 1e-9)
-        busy, generated, wasted = (self.busy_s, self.sampler.tokens_generated - self._baseline[1],
-                                   self.sampler.tokens_wasted - self._baseline[2])
-        out = {"busy_fraction": round(busy / elapsed, 4),
-               "generated_tokens_per_s": round(generated / elapsed, 2),
-               "in_flight_groups": self.in_flight, "tokens_wasted": wasted,
-               "restarted_groups": self.counts["restarts"],
-               "mixed_sample_share": round(self.counts["mixed_samples"]
-                                           / max(self.counts["samples"], 1), 4)}
-        if self.first_token_s:
-            out["first_token_after_version_s"] = round(float(np.median(self.first_token_s)), 4)
-        if self.lengths:
-            p50, p90 = np.percentile(self.lengths, [50, 90])
-            out.update(length_p50=float(p50), length_p90=float(p90),
-                       length_max=int(max(self.lengths)))
-        return out
+        return self._metrics(self.busy_s, self.sampler.tokens_generated - self._baseline[1],
+                             self.sampler.tokens_wasted - self._baseline[2], self.in_flight)
+
+
+class RequestStream(Stream):
+    """Groups as independent engine calls, up to `max_in_flight` at once, each in a thread of
+    its own (engines without a continuous batcher that take concurrent calls: vllm-server, whose
+    server batches the requests itself). A version loads at once: calls already sent finish on
+    the weights they named (`finish` without the wait); under `restart`, a group whose call
+    started before the load is generated again when it returns (its tokens counted wasted).
+    `continue` needs the continuous batcher. A call that fails (`EngineError`) is retried after
+    `ENGINE_RETRY_S`. The engine's busy share is not known here (the server's)."""
+
+    def __init__(self, builder: SingleTurnGroups, in_engine: Callable[..., Awaitable],
+                 weight_update: str, seed: int, on_error: Callable[[str], Awaitable],
+                 max_in_flight: int):
+        super().__init__(builder, in_engine, weight_update, seed, on_error)
+        self._pool = ThreadPoolExecutor(max_workers=max_in_flight, thread_name_prefix="request")
+        self.in_flight = 0
+        self.busy_s = 0.0  # seconds of generate calls, summed (they overlap)
+        self._loads = 0
+        self._generated = self._wasted = 0
+
+    async def group(self, task: PromptTask, prompt: list[int], sequence: int) -> TrajectoryGroup:
+        """Generate `task`'s group in one engine call (again after a `restart` load) and score
+        it."""
+        began = time.perf_counter()
+        self.in_flight += 1
+        try:
+            completions = await self._generate(prompt, self._seed(sequence))
+        finally:
+            self.in_flight -= 1
+        self._sampled_under(min(c.policy_version for c in completions))
+        group = await self.builder.scored_group(task, prompt, completions, sequence,
+                                                generate_s=time.perf_counter() - began)
+        self._count(group)
+        return group
+
+    async def _generate(self, prompt: list[int], seed: int) -> list:
+        engine, loop = self.builder.engine, asyncio.get_running_loop()
+        while True:
+            loads, began = self._loads, time.perf_counter()
+            try:
+                completions = (await loop.run_in_executor(self._pool, functools.partial(
+                    engine.generate, [list(prompt)], self.builder.sampling, seed=seed)))[0]
+            except EngineError as err:
+                log.error("a group's generation failed, retrying in %g s: %s", ENGINE_RETRY_S,
+                          err)
+                await self.on_error(f"generation failed: {err}")
+                await asyncio.sleep(ENGINE_RETRY_S)
+                continue
+            finally:
+                self.busy_s += time.perf_counter() - began
+            tokens = sum(len(c.token_ids) for c in completions)
+            self._generated += tokens
+            if self.policy != "restart" or self._loads == loads:
+                return completions
+            self._wasted += tokens
+            self.counts["restarts"] += 1
+
+    async def run(self, done: asyncio.Event) -> None:
+        """Nothing to step: each group's call runs on its own."""
+        await done.wait()
+
+    async def load(self, load: Callable[[], float], version: int, created_at: float) -> float:
+        seconds = await self.in_engine(load)
+        self._loads += 1
+        self._announced = (version, created_at)
+        return seconds
+
+    def extras(self) -> dict[str, float | int]:
+        return self._metrics(None, self._generated, self._wasted, self.in_flight)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
 
 
 async def _first(*waits: Awaitable) -> None:

@@ -26,14 +26,18 @@ Simplifications, chosen on purpose:
   vLLM gives one request's seed to each of its prompts, so samples of different prompts would share
   their noise, and seeded rows slow its sampler. `seeded=True` sends one request per prompt, in
   parallel, with seed `seed + i * n`, so every sample has its own seed.
-- Generation and adapter switches share one lock, so every request names the adapter that serves
-  it and `policy_version` is exact per response. The previous adapter is unloaded after a switch
-  (best effort, logged); a resumed trainer's version with the number being served loads as
-  `<prefix>-v<N>-reload` (a taken name is refused). Adapters named `<prefix>-v<N>` left by an
+- Each `generate` takes the adapter being served when it starts (under a short lock) and names
+  it in its requests, so `policy_version` is exact per response; generates may run
+  concurrently (a streaming producer sends one per group), and an adapter switch does not wait
+  for them: requests already sent finish on their adapter, later ones use the new one. The
+  previous adapter is unloaded once no generate uses it any more (best effort, logged); a
+  resumed trainer's version with the number being served loads as `<prefix>-v<N>-reload` (a
+  taken name is refused). Adapters named `<prefix>-v<N>` left by an
   earlier run are unloaded at start-up, so producers sharing one server need distinct
   `adapter_prefix`es.
-- A server that answers a generate with 404 no longer knows the adapter being served (it was
-  restarted); the engine loads the same folder under the same name again and retries once, so a
+- A server that answers a generate with 404 no longer knows the adapter that generate named (it
+  was restarted); the engine loads the same folder under the same name again (a concurrent
+  generate that already did so is a 400 "already loaded", taken as done) and retries once, so a
   restarted server costs one failed batch, not a stuck producer.
 - Full weights cannot be swapped through this API: `load_full_weights` raises.
 
@@ -128,7 +132,9 @@ class VLLMServerEngine(TokenizedEngine):
         if self.tokenizer.eos_token_id is None:
             raise EngineError(f"the tokenizer in {tokenizer_dir} has no eos token")
         self._eos_token_id = int(self.tokenizer.eos_token_id)
-        self._lock = threading.Lock()  # generate and adapter switches never overlap
+        self._lock = threading.Lock()  # guards what is served and which adapters are in use
+        self._users: dict[str, int] = {}  # adapter name -> generates using it now
+        self._retired: set[str] = set()  # adapters switched away from while in use
         self._policy_version = 0
         cards = parse_model_cards(self._call("GET", "/v1/models"))
         self.base_model = pick_base_model(cards, model)
@@ -165,7 +171,9 @@ class VLLMServerEngine(TokenizedEngine):
         if not prompts:
             return []
         with self._lock:
-            model, version = self._served, self._policy_version
+            model, version, folder = self._served, self._policy_version, self._served_dir
+            self._users[model] = self._users.get(model, 0) + 1
+        try:
             if self.seeded and seed is not None:
                 bodies = [completion_request([p], params, model=model, vocab_size=self._vocab_size,
                                              seed=seed + i * params.n, stop_strings=stops)
@@ -177,10 +185,12 @@ class VLLMServerEngine(TokenizedEngine):
             try:
                 replies = self._exchange(calls)
             except HTTPStatusError as err:
-                if err.status != 404 or self._served_dir is None:
+                if err.status != 404 or folder is None:
                     raise
-                self._load_again(err)
+                self._load_again(model, folder, err)
                 replies = self._exchange(calls)
+        finally:
+            self._release(model)
         groups: list[list[Completion]] = []
         for body, reply in zip(bodies, replies):
             groups += parse_completions(reply, n_prompts=len(body["prompt"]), n=params.n,
@@ -209,8 +219,24 @@ class VLLMServerEngine(TokenizedEngine):
                 raise EngineError(f"cannot load adapter {name}: {err}{hint}") from err
             previous, self._served, self._policy_version = self._served, name, policy_version
             self._served_dir = adapter_dir
-            if previous != self.base_model:
-                self._unload(previous)
+            in_use = self._users.get(previous, 0) > 0
+            if in_use and previous != self.base_model:
+                self._retired.add(previous)  # its last generate unloads it
+        if not in_use and previous != self.base_model:
+            self._unload(previous)
+
+    def _release(self, model: str) -> None:
+        """A generate using `model` ended; unload it if it was retired and this was its last."""
+        with self._lock:
+            self._users[model] -= 1
+            last = self._users[model] == 0
+            if last:
+                del self._users[model]
+            retired = last and model in self._retired
+            if retired:
+                self._retired.discard(model)
+        if retired:
+            self._unload(model)
 
     def load_full_weights(self, weights: Path, policy_version: int) -> None:
         raise EngineError(
@@ -218,18 +244,20 @@ class VLLMServerEngine(TokenizedEngine):
             "LoRA adapters over its API. Train with LoRA (producer lora settings), restart the "
             "server on the new checkpoint, or use engine 'hf'")
 
-    def _load_again(self, err: HTTPStatusError) -> None:
-        """The server does not know the adapter being served (a 404 on generate): it was
-        restarted, or someone unloaded it. Load the same folder under the same name again,
-        so the version of every response stays exact; the caller retries once."""
+    def _load_again(self, model: str, folder: Path, err: HTTPStatusError) -> None:
+        """The server does not know adapter `model` (a 404 on generate): it was restarted, or
+        someone unloaded it. Load the same folder under the same name again, so the version of
+        every response stays exact; the caller retries once. A 400 for a name already loaded
+        means a concurrent generate got there first."""
         log.warning("the server does not serve adapter %s (%s); loading it again from %s",
-                    self._served, err, self._served_dir)
+                    model, err, folder)
         try:
             self._call("POST", "/v1/load_lora_adapter",
-                       {"lora_name": self._served, "lora_path": str(self._served_dir)},
-                       reply_json=False)
+                       {"lora_name": model, "lora_path": str(folder)}, reply_json=False)
         except HTTPStatusError as again:
-            raise EngineError(f"cannot load adapter {self._served} again: {again}") from again
+            if again.status == 400 and "already been loaded" in str(again):
+                return
+            raise EngineError(f"cannot load adapter {model} again: {again}") from again
 
     def check_logprobs_mode(self) -> None:
         """Fail unless the server returns processed logprobs (see the module docstring)."""

@@ -154,7 +154,11 @@ async def test_a_version_announced_mid_generation_under_each_policy(model_dir, a
 
 def test_streaming_is_refused_where_it_cannot_run():
     with pytest.raises(ConfigError, match="max_in_flight"):
+        ProducerSettings(engine="vllm", rollout=RolloutConfig(max_in_flight=4))
+    with pytest.raises(ConfigError, match="weight_update=finish"):
         ProducerSettings(engine="vllm-server", rollout=RolloutConfig(max_in_flight=4))
+    ProducerSettings(engine="vllm-server", rollout=RolloutConfig(max_in_flight=4,
+                                                                 weight_update="restart"))
     with pytest.raises(ConfigError, match="max_in_flight"):
         ProducerSettings(env="calculator", rollout=RolloutConfig(max_in_flight=4))
     with pytest.raises(ConfigError, match="weight_update"):

@@ -397,6 +397,58 @@ def test_a_restarted_server_gets_the_served_adapter_again(fake, tokenizer_dir, a
         engine.generate(PROMPTS, PARAMS)
 
 
+def test_a_switch_during_a_generate_neither_waits_nor_unloads_its_adapter(
+        fake, tokenizer_dir, adapter):
+    """A streaming producer's generates run while versions load: the one in flight keeps its
+    adapter and version, the next names the new adapter, and the old adapter is unloaded only
+    when its last generate has its reply."""
+    fake.route("POST", "/v1/load_lora_adapter", "Success")
+    fake.route("POST", "/v1/unload_lora_adapter", "Success")
+    engine = engine_for(fake, tokenizer_dir)
+    engine.load_adapter(adapter, 3)
+    fake.route("POST", "/v1/completions", recorded("completion_2x2.json"), delay=1.0)
+    slow = threading.Thread(target=lambda: results.append(engine.generate(PROMPTS, PARAMS)))
+    results: list = []
+    slow.start()
+    time.sleep(0.3)  # the slow generate has sent its request for miles-v3
+    began = time.monotonic()
+    engine.load_adapter(adapter, 4)
+    assert time.monotonic() - began < 0.5  # no wait for the generate in flight
+    assert fake.posted("/v1/unload_lora_adapter") == []  # miles-v3 is still in use
+    slow.join()
+    assert {c.policy_version for g in results[0] for c in g} == {3}
+    assert fake.posted("/v1/unload_lora_adapter") == [{"lora_name": "miles-v3"}]
+    fake.route("POST", "/v1/completions", recorded("completion_2x2.json"))
+    groups = engine.generate(PROMPTS, PARAMS)
+    assert fake.posted("/v1/completions")[-1]["model"] == "miles-v4"
+    assert {c.policy_version for g in groups for c in g} == {4}
+    engine.load_adapter(adapter, 5)  # nothing in flight: unloaded at once
+    assert fake.posted("/v1/unload_lora_adapter")[-1] == {"lora_name": "miles-v4"}
+
+
+def test_concurrent_generates_after_a_restart_load_the_adapter_once_each_way(
+        fake, tokenizer_dir, adapter):
+    """Two generates both meet the 404 of a restarted server: one loads the adapter again, the
+    other's load is refused as already loaded, and both retry and succeed."""
+    fake.route("POST", "/v1/load_lora_adapter", "Success")
+    engine = engine_for(fake, tokenizer_dir)
+    engine.load_adapter(adapter, 3)
+    fake.route("POST", "/v1/completions", (404, recorded("error_model_not_found.json")),
+               (404, recorded("error_model_not_found.json")), recorded("completion_2x2.json"),
+               delay=0.3)  # both first requests are in flight together
+    fake.route("POST", "/v1/load_lora_adapter", "Success",
+               (400, recorded("error_adapter_taken.json")))
+    results: list = []
+    threads = [threading.Thread(target=lambda: results.append(engine.generate(PROMPTS, PARAMS)))
+               for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert len(results) == 2
+    assert {c.policy_version for r in results for g in r for c in g} == {3}
+
+
 def test_the_base_model_is_not_reloaded_on_404(fake, tokenizer_dir):
     fake.route("POST", "/v1/completions", (404, recorded("error_model_not_found.json")))
     engine = engine_for(fake, tokenizer_dir)

@@ -38,7 +38,7 @@ def engine_settings(engine: str, server=None) -> list[str]:
 
 
 async def start_run(kafka_broker, model_dir: Path, tmp_path: Path, engine: list[str],
-                    steps: int):
+                    steps: int, rollout: tuple[str, ...] = ("rollout.prompts_per_batch=4",)):
     run = unique_run()
     async with open_bus(kafka_broker.url) as bus:
         await bus.create_topics(run_topics(run, prompt_partitions=1, trajectory_partitions=1))
@@ -47,7 +47,7 @@ async def start_run(kafka_broker, model_dir: Path, tmp_path: Path, engine: list[
     producer = spawn("producers.rollout", [
         f"bus={kafka_broker.url}", f"model_dir={model_dir}", *engine,
         "reward=tests.rewards:starts_with_digit", f"rollout.run={run}",
-        "rollout.prompts_per_batch=4", "rollout.groups_per_step=4", "rollout.max_staleness=1",
+        *rollout, "rollout.groups_per_step=4", "rollout.max_staleness=1",
         "rollout.sampling.n=4", "rollout.sampling.max_new_tokens=4", "rollout.heartbeat_s=0.5",
         f"rollout.weights.store={tmp_path / 'out' / 'weights'}",
         f"rollout.weights.public_key={public_key}"], tmp_path / "producer.log")
@@ -84,6 +84,25 @@ async def test_an_in_process_vllm_producer_trains_with_the_trainer(kafka_broker,
     assert [e["step"] for e in ledger(tmp_path / "out")] == [1, 2, 3]
     groups = await trained_groups(kafka_broker, run, 12)
     assert {g.engine for g in groups} == {"vllm"}
+    assert max(int(s.versions.max()) for g in groups for s in g.samples) >= 1
+
+
+async def test_a_streaming_server_producer_trains_with_the_trainer(kafka_broker, vllm_server,
+                                                                   vllm_model_dir, tmp_path):
+    """`rollout.max_in_flight=4` on the server engine: one request per group, up to four at
+    once; versions load while requests run (`finish`: those end on their adapter)."""
+    run, producer, trainer = await start_run(
+        kafka_broker, vllm_model_dir, tmp_path, engine_settings("vllm-server", vllm_server),
+        steps=4, rollout=("rollout.max_in_flight=4", "rollout.weight_update=finish"))
+    try:
+        wait_exit(trainer, tmp_path / "trainer.log", STEP_WAIT_S)
+    finally:
+        log = stop(producer, tmp_path / "producer.log")
+    assert "loaded policy version 2" in log or "loaded policy version 3" in log, log[-3000:]
+    assert [e["step"] for e in ledger(tmp_path / "out")] == [1, 2, 3, 4]
+    groups = await trained_groups(kafka_broker, run, 16)
+    assert {g.engine for g in groups} == {"vllm-server"}
+    assert all(s.versions.min() == s.versions.max() for g in groups for s in g.samples)
     assert max(int(s.versions.max()) for g in groups for s in g.samples) >= 1
 
 
