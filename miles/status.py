@@ -1,8 +1,9 @@
 """`status`: a run at a glance, from its status topic and the offsets of its topics.
 
 What it reports: each producer (engine, loaded policy version, in-flight groups, throughput,
-paused, last error, what its admission waits for) and the trainer (policy version, step, step rate, backlog, stale drops, lag
-histogram of the groups it trained), from the heartbeats of the last `window_s` seconds; the lag
+paused, last error, what its admission waits for, a streaming producer's metrics) and the
+trainer (policy version, step, step rate, backlog, stale drops, lag histogram of the groups it
+trained), from the heartbeats of the last `window_s` seconds; the lag
 of every consumer group that committed on the run's topics; the records each topic holds,
 the DLQ's among them.
 

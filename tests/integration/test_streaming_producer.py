@@ -15,6 +15,7 @@ from transformers import AutoModelForCausalLM
 from miles.bus import open_bus
 from miles.engines.base import LoraSettings
 from miles.engines.hf import HFEngine
+from miles.engines.vllm_server import VLLMServerEngine
 from miles.errors import ConfigError
 from miles.feeder import feed
 from miles.protocol import TrajectoryGroup, decode, encode
@@ -29,8 +30,10 @@ from miles.weights.store import base_model_id, write_version
 from producers.rollout import ProducerSettings
 from tests.integration.test_hf_engine import save_adapter
 from tests.integration.test_hf_stream import LOGPROB_TOLERANCE, teacher_forced
+from tests.factories import tokenizer_folder
 from tests.integration.test_weight_loading import wait_for
 from tests.rewards import starts_with_digit
+from tests.unit.test_vllm_server import VOCAB, FakeVLLM, recorded
 
 LORA = LoraSettings(r=4, alpha=8)
 LONG = SamplingParams(n=2, temperature=1.0, max_new_tokens=40)
@@ -164,3 +167,56 @@ def test_streaming_is_refused_where_it_cannot_run():
     with pytest.raises(ConfigError, match="weight_update"):
         RolloutConfig(max_in_flight=4, weight_update="later")
     ProducerSettings(rollout=RolloutConfig(max_in_flight=4))  # hf, single-turn: fine
+
+
+@pytest.mark.parametrize("policy", ["finish", "restart"])
+async def test_a_version_loaded_while_server_requests_run(tmp_path, policy):
+    """The vllm-server engine streams requests (against the recorded-reply server; the real one
+    is tests/vllm/test_producer.py): a version announced while two groups' requests run loads
+    at once; under `finish` they end on the base model, under `restart` they are sent again
+    naming the new adapter and their first tokens are counted wasted."""
+    fake = FakeVLLM()
+    reply = recorded("completion_2x2.json")
+    fake.route("POST", "/v1/completions", {**reply, "choices": reply["choices"][:2]}, delay=0.8)
+    fake.route("POST", "/v1/load_lora_adapter", "Success")
+    fake.route("POST", "/v1/unload_lora_adapter", "Success")
+    store = tmp_path / "weights"
+    record = write_version(store, policy_version=1, step=1, base_model="tiny",
+                           write=lambda folder: [(folder / name).write_text("{}") for name in
+                                                 ("adapter_config.json",
+                                                  "adapter_model.safetensors")])
+    tokenizer = tokenizer_folder(tmp_path / "tok", vocab_size=VOCAB)
+    engine = VLLMServerEngine(fake.url, "tiny", tokenizer, timeout_s=5.0,
+                              check_logprobs_mode=False)
+    run = f"server-{policy}"
+    try:
+        async with open_bus("embedded://") as bus:
+            await bus.create_topics(run_topics(run, prompt_partitions=1,
+                                               trajectory_partitions=1))
+            worker = RolloutWorker(bus, engine, Scorer(starts_with_digit), RolloutConfig(
+                run=run, base_model="tiny", weights=FollowConfig(store=store), heartbeat_s=60,
+                max_staleness=100, max_in_flight=2, weight_update=policy,
+                sampling=SamplingParams(n=2, max_new_tokens=3)))
+            stop = asyncio.Event()
+            running = asyncio.create_task(worker.run(stop))
+            try:
+                await feed(bus, run, arithmetic_problems("train")[:2], shuffle=False)
+                await wait_for(lambda: len(fake.posted("/v1/completions")) == 2)
+                await bus.publish(topic_name(run, "control"), encode(record))
+                await wait_for(lambda: worker.counts["producer/groups"] == 2)
+            finally:
+                stop.set()
+                await asyncio.wait_for(running, 30)
+            groups = await published(bus, run, 2)
+    finally:
+        fake.close()
+    models = [body["model"] for body in fake.posted("/v1/completions")]
+    versions = {int(v) for g in groups for s in g.samples for v in s.versions}
+    extras = worker.stream.extras()
+    if policy == "finish":
+        assert models == ["tiny", "tiny"] and versions == {0}
+        assert extras["restarted_groups"] == 0 and extras["tokens_wasted"] == 0
+    else:
+        assert models == ["tiny", "tiny", "miles-v1", "miles-v1"] and versions == {1}
+        assert extras["restarted_groups"] == 2 and extras["tokens_wasted"] == 2 * 2 * 3
+    assert fake.posted("/v1/unload_lora_adapter") == []  # the base model is never unloaded
