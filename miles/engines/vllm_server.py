@@ -31,8 +31,9 @@ Simplifications, chosen on purpose:
   concurrently (a streaming producer sends one per group), and an adapter switch does not wait
   for them: requests already sent finish on their adapter, later ones use the new one. The
   previous adapter is unloaded once no generate uses it any more (best effort, logged); a
-  resumed trainer's version with the number being served loads as `<prefix>-v<N>-reload` (a
-  taken name is refused). Adapters named `<prefix>-v<N>` left by an
+  resumed trainer's version with the number being served loads as `<prefix>-v<N>-reload`. A
+  name the server already holds (a load whose reply timed out, an unload that failed) is
+  unloaded and loaded again, so a name always serves the folder of its version. Adapters named `<prefix>-v<N>` left by an
   earlier run are unloaded at start-up, so producers sharing one server need distinct
   `adapter_prefix`es.
 - A server that answers a generate with 404 no longer knows the adapter that generate named (it
@@ -212,8 +213,7 @@ class VLLMServerEngine(TokenizedEngine):
             if name == self._served:  # a new lineage's version of the number being served
                 name += RELOAD_SUFFIX
             try:
-                self._call("POST", "/v1/load_lora_adapter",
-                           {"lora_name": name, "lora_path": str(adapter_dir)}, reply_json=False)
+                self._load_named(name, adapter_dir)
             except HTTPStatusError as err:
                 hint = f" ({LORA_HINT})" if err.status == 404 else ""
                 raise EngineError(f"cannot load adapter {name}: {err}{hint}") from err
@@ -224,6 +224,21 @@ class VLLMServerEngine(TokenizedEngine):
                 self._retired.add(previous)  # its last generate unloads it
         if not in_use and previous != self.base_model:
             self._unload(previous)
+
+    def _load_named(self, name: str, adapter_dir: Path) -> None:
+        """Load `adapter_dir` as `name`. A name the server already holds is this engine's own
+        earlier load whose reply was lost (a timeout), or one whose unload failed: unloaded and
+        loaded again once, so the name always serves this folder."""
+        body = {"lora_name": name, "lora_path": str(adapter_dir)}
+        try:
+            self._call("POST", "/v1/load_lora_adapter", body, reply_json=False)
+        except HTTPStatusError as err:
+            if not taken(err):
+                raise
+            log.warning("the server already holds adapter %s; unloading it and loading %s",
+                        name, adapter_dir)
+            self._unload(name)
+            self._call("POST", "/v1/load_lora_adapter", body, reply_json=False)
 
     def _release(self, model: str) -> None:
         """A generate using `model` ended; unload it if it was retired and this was its last."""
@@ -255,7 +270,7 @@ class VLLMServerEngine(TokenizedEngine):
             self._call("POST", "/v1/load_lora_adapter",
                        {"lora_name": model, "lora_path": str(folder)}, reply_json=False)
         except HTTPStatusError as again:
-            if again.status == 400 and "already been loaded" in str(again):
+            if taken(again):
                 return
             raise EngineError(f"cannot load adapter {model} again: {again}") from again
 
@@ -291,6 +306,11 @@ class VLLMServerEngine(TokenizedEngine):
         method, path, _ = calls[0]
         return run_with_deadline([functools.partial(call, *c) for c in calls], self.timeout_s,
                                  what=f"{method} {self.base_url}{path}")
+
+
+def taken(err: HTTPStatusError) -> bool:
+    """Whether the server refused a load because it already holds an adapter of that name."""
+    return err.status == 400 and "already been loaded" in str(err)
 
 
 def server_root(base_url: str) -> str:

@@ -426,6 +426,21 @@ def test_a_switch_during_a_generate_neither_waits_nor_unloads_its_adapter(
     assert fake.posted("/v1/unload_lora_adapter")[-1] == {"lora_name": "miles-v4"}
 
 
+def test_a_name_the_server_already_holds_is_unloaded_and_loaded_again(fake, tokenizer_dir,
+                                                                      adapter):
+    """A load whose reply was lost (a timeout) left the adapter on the server; the retry's 400
+    "already loaded" unloads that name and loads the folder again, instead of dropping the
+    version."""
+    fake.route("POST", "/v1/load_lora_adapter", (400, recorded("error_adapter_taken.json")),
+               "Success")
+    fake.route("POST", "/v1/unload_lora_adapter", "Success")
+    engine = engine_for(fake, tokenizer_dir)
+    engine.load_adapter(adapter, 3)
+    assert (engine.policy_version, engine.served_model) == (3, "miles-v3")
+    assert fake.posted("/v1/unload_lora_adapter") == [{"lora_name": "miles-v3"}]
+    assert len(fake.posted("/v1/load_lora_adapter")) == 2
+
+
 def test_concurrent_generates_after_a_restart_load_the_adapter_once_each_way(
         fake, tokenizer_dir, adapter):
     """Two generates both meet the 404 of a restarted server: one loads the adapter again, the
