@@ -110,6 +110,14 @@ class HTTPStatusError(EngineError):
         self.status = status
 
 
+class UnavailableStatusError(HTTPStatusError, EngineUnavailableError):
+    """502, 503 or 504: the server (or a proxy in front of it) cannot serve now, e.g. while it
+    restarts; like a refused connection, the same call may succeed later."""
+
+
+UNAVAILABLE_STATUSES = (502, 503, 504)
+
+
 class VLLMServerEngine(TokenizedEngine):
     """A `vllm serve` process behind the engine contract; see the module docstring."""
 
@@ -214,6 +222,8 @@ class VLLMServerEngine(TokenizedEngine):
                 name += RELOAD_SUFFIX
             try:
                 self._load_named(name, adapter_dir)
+            except UnavailableStatusError:
+                raise  # kept and retried by the weight follower
             except HTTPStatusError as err:
                 hint = f" ({LORA_HINT})" if err.status == 404 else ""
                 raise EngineError(f"cannot load adapter {name}: {err}{hint}") from err
@@ -322,7 +332,8 @@ def server_root(base_url: str) -> str:
 def decode_reply(what: str, status: int, raw: bytes, *, reply_json: bool = True) -> Any:
     """The JSON (or text) of a 2xx reply; any other status raises with the server's message."""
     if not 200 <= status < 300:
-        raise HTTPStatusError(what, status, error_message(raw))
+        error = UnavailableStatusError if status in UNAVAILABLE_STATUSES else HTTPStatusError
+        raise error(what, status, error_message(raw))
     if not reply_json:
         return raw.decode("utf-8", errors="replace")
     try:

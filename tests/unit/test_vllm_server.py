@@ -630,6 +630,10 @@ def test_a_server_that_is_down_is_unavailable_not_a_refusal(fake, tokenizer_dir,
     with pytest.raises(EngineError) as answered:
         engine.load_adapter(adapter, 1)
     assert not isinstance(answered.value, EngineUnavailableError)
+    for status in (502, 503):  # a proxy in front of a restarting server
+        fake.route("POST", "/v1/load_lora_adapter", (status, "upstream unavailable"))
+        with pytest.raises(EngineUnavailableError, match=f"HTTP {status}"):
+            engine.load_adapter(adapter, 1)
     fake.close()
     with pytest.raises(EngineUnavailableError, match="load_lora_adapter"):
         engine.load_adapter(adapter, 1)
