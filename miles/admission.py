@@ -49,3 +49,12 @@ def admitted(*, loaded_version: int, trainer: TrainerView, in_flight: int, batch
     return loaded_version >= required_version(
         trainer=trainer, in_flight=in_flight, batch=batch, groups_per_step=groups_per_step,
         max_staleness=max_staleness)
+
+
+def admissible(*, loaded_version: int, trainer: TrainerView, in_flight: int, most: int,
+               groups_per_step: int, max_staleness: int) -> int:
+    """How many more groups (at most `most`) a streaming producer can take now: the largest k
+    such that the k-th, trained after `in_flight` and the k - 1 before it, is fresh enough."""
+    return next((k for k in range(most, 0, -1) if admitted(
+        loaded_version=loaded_version, trainer=trainer, in_flight=in_flight, batch=k,
+        groups_per_step=groups_per_step, max_staleness=max_staleness)), 0)

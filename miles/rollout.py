@@ -43,7 +43,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from miles.admission import TrainerView, required_version
+from miles.admission import TrainerView, admissible, required_version
 from miles.bus import Bus, TopicPartition
 from miles.bus.commits import DoneOffsets, StreamOffsets
 from miles.bus.decoding import Decoded, DecodingConsumer
@@ -65,6 +65,7 @@ log = logging.getLogger(__name__)
 ADMISSION_POLL_S = 0.02
 ENGINE_RETRY_S = 2.0  # pause before retrying a batch the engine failed on
 WAIT_WARN_S = 30.0  # admission waiting this long is logged (a stalled trainer or weights)
+STOP_WAIT_S = 30.0  # streaming: how long a stop or drain waits for the groups in flight
 STREAMING_ENGINES = ("hf", "vllm-server")  # a continuous batcher, or concurrent requests
 
 
@@ -210,43 +211,66 @@ class RolloutWorker:
     async def _stream_loop(self, stop: asyncio.Event, drain: asyncio.Event, consumer,
                            prompts: DecodingConsumer, trajectories) -> None:
         """Keep up to `max_in_flight` groups in the engine, each admitted on its own; publish
-        and commit each as it ends. On stop or drain, the groups in flight finish first."""
+        and commit each as it ends. On stop or drain the groups in flight get `STOP_WAIT_S` to
+        finish; those still running then are cancelled, their prompts left uncommitted."""
         finished = asyncio.Event()
         groups: set[asyncio.Task] = set()
-        async with asyncio.TaskGroup() as tasks:
-            tasks.create_task(self.stream.run(finished))
-            while not stop.is_set() and not drain.is_set():
-                await self.commits.commit()
-                room = await self._stream_room(stop, consumer, trajectories)
-                if not room:
-                    await wait_or_stop(stop, ADMISSION_POLL_S)
-                    continue
-                polled = await prompts.poll(max_records=room, timeout_s=0.05)
-                if self.commits.revoking:  # these positions restart from the group's commit
-                    continue
-                for item, ids in await self._takeable(prompts, polled):
-                    self.commits.take(item.record)
-                    group = tasks.create_task(self._stream_group(prompts, item, ids))
-                    groups.add(group)
-                    group.add_done_callback(groups.discard)
-                self.commits.polled(prompts.polled)
-            while groups:  # let the groups in flight finish
-                await asyncio.wait(set(groups))
-            finished.set()
+        try:
+            async with asyncio.TaskGroup() as tasks:
+                tasks.create_task(self.stream.run(finished))
+                while not stop.is_set() and not drain.is_set():
+                    await self.commits.commit()
+                    room = await self._stream_room(stop, consumer, trajectories, len(groups))
+                    if not room:
+                        await wait_or_stop(stop, ADMISSION_POLL_S)
+                        continue
+                    polled = await prompts.poll(max_records=room, timeout_s=0.05)
+                    if self.commits.revoking:  # these positions restart from the group's commit
+                        continue
+                    for item, ids in await self._takeable(prompts, polled):
+                        ticket = self.commits.take(item.record)
+                        group = tasks.create_task(self._stream_group(item, ids, ticket))
+                        groups.add(group)
+                        group.add_done_callback(groups.discard)
+                    self.commits.polled(prompts.polled)
+                await self._let_finish(groups)
+                finished.set()
+        except BaseException:
+            self.commits.abandon()  # a revocation on the way out must not wait for the groups
+            raise
         await self.commits.commit()
 
-    async def _stream_room(self, stop: asyncio.Event, consumer, trajectories) -> int:
-        """How many more groups may start now: the free slots, each admitted on its own."""
-        taken = self.commits.in_flight()  # prompts whose groups are not published yet
-        free = self.config.max_in_flight - taken
-        if free <= 0 or self.stream.holding or self.commits.revoking:
-            return 0
-        if not await self._admit(stop, consumer, trajectories, batch=1, unpublished=taken):
-            return 0
-        return free
+    async def _let_finish(self, groups: set[asyncio.Task]) -> None:
+        """Give the groups in flight `STOP_WAIT_S` to finish, then cancel the rest (their prompts
+        stay uncommitted: generated again by the partition's next owner)."""
+        if groups:
+            log.info("stopping: %d groups in flight get %g s to finish", len(groups),
+                     STOP_WAIT_S)
+            await asyncio.wait(set(groups), timeout=STOP_WAIT_S)
+        if groups:
+            log.warning("stopping: %d groups did not finish in %g s; their prompts will be "
+                        "generated again", len(groups), STOP_WAIT_S)
+            for group in list(groups):
+                group.cancel()
+            await asyncio.wait(set(groups))
+            self.commits.abandon()
 
-    async def _stream_group(self, prompts: DecodingConsumer, item: Decoded,
-                            ids: list[int]) -> None:
+    async def _stream_room(self, stop: asyncio.Event, consumer, trajectories,
+                           in_flight: int) -> int:
+        """How many more groups may start now: the free slots, as many as are each still fresh
+        enough when trained after those published and those in flight."""
+        free = self.config.max_in_flight - in_flight
+        if free <= 0 or self.stream.holding or self.commits.revoking or \
+                await self._paused(stop):
+            return 0
+        queued = await self._published(consumer, trajectories) + in_flight - self.trainer.consumed
+        bound = {"trainer": self.trainer, "groups_per_step": self.config.groups_per_step,
+                 "max_staleness": self.config.max_staleness}
+        self._wait_for(required_version(in_flight=queued, batch=1, **bound))
+        return admissible(loaded_version=self.engine.policy_version, in_flight=queued,
+                          most=free, **bound)
+
+    async def _stream_group(self, item: Decoded, ids: list[int], ticket) -> None:
         """Generate, score and publish one prompt's group, then mark its record done."""
         self._sequence += 1
         group = await self.stream.group(item.value, ids, self._sequence)
@@ -255,7 +279,7 @@ class RolloutWorker:
         self.counts["producer/groups"] += 1
         self.counts["producer/tokens"] += sum(s.policy_tokens for s in group.samples)
         self.counts["producer/generate_s"] = self.stream.busy_s
-        self.commits.finish(item.record)
+        self.commits.finish(ticket)
 
     async def _batch(self, consumer, prompts: DecodingConsumer, batch, stop: asyncio.Event) -> None:
         """Generate and publish one polled batch, then commit it (`DoneOffsets`: a revocation
@@ -310,17 +334,22 @@ class RolloutWorker:
         info = (await self.bus.describe_topics([topic]))[topic]
         return [TopicPartition(topic, p) for p in range(info.partitions)]
 
-    async def _admit(self, stop: asyncio.Event, consumer, partitions, batch: int | None = None,
-                     unpublished: int = 0) -> bool:
-        """Whether `batch` more groups (default `prompts_per_batch`) are fresh enough when
-        trained, after those published and `unpublished` ones still in the engine."""
+    async def _paused(self, stop: asyncio.Event) -> bool:
         if self.paused:
             await wait_or_stop(stop, ADMISSION_POLL_S * 10)
+        return self.paused
+
+    async def _published(self, consumer, partitions) -> int:
+        """Trajectory records on the bus (end offsets summed)."""
+        return sum((await consumer.end_offsets(partitions)).values())
+
+    async def _admit(self, stop: asyncio.Event, consumer, partitions) -> bool:
+        """Whether a batch generated now is fresh enough when trained."""
+        if await self._paused(stop):
             return False
-        published = sum((await consumer.end_offsets(partitions)).values())
-        needed = required_version(trainer=self.trainer,
-                                  in_flight=published + unpublished - self.trainer.consumed,
-                                  batch=batch or self.config.prompts_per_batch,
+        published = await self._published(consumer, partitions)
+        needed = required_version(trainer=self.trainer, in_flight=published - self.trainer.consumed,
+                                  batch=self.config.prompts_per_batch,
                                   groups_per_step=self.config.groups_per_step,
                                   max_staleness=self.config.max_staleness)
         self._wait_for(needed)
@@ -482,7 +511,7 @@ class RolloutWorker:
         beat = Heartbeat(producer_id=self.config.producer_id, role="producer",
                          engine=self.engine.name, policy_version=self.engine.policy_version,
                          in_flight=self._in_flight if self.stream is None
-                         else self.commits.in_flight(),
+                         else self.stream.in_flight,
                          tokens_per_s=self.counts["producer/tokens"] / elapsed,
                          extra=extra, created_at=time.time())
         await self.bus.publish(self._topic("status"), encode(beat),

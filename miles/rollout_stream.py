@@ -68,7 +68,7 @@ class Stream:
         self.builder, self.in_engine, self.policy = builder, in_engine, weight_update
         self.seed = seed
         self.on_error = on_error  # reports a failed generation (the producer's heartbeat)
-        self.holding = False  # a `finish` load waits: no group starts
+        self.holding = False  # a `finish` or `restart` load is on its way: no group starts
         self.counts = {"samples": 0, "mixed_samples": 0, "restarts": 0}
         self.lengths: deque[int] = deque(maxlen=LENGTHS_KEPT)
         self.first_token_s: deque[float] = deque(maxlen=100)
@@ -142,6 +142,8 @@ class GroupStream(Stream):
         began = time.perf_counter()
         seed = self._seed(sequence)
         while True:
+            while self.holding:  # a load is on its way: start under the new weights
+                await asyncio.sleep(0.01)
             request = self.sampler.submit(list(prompt), self.builder.sampling, seed=seed)
             future = asyncio.get_running_loop().create_future()
             self._futures[request] = future
@@ -156,6 +158,7 @@ class GroupStream(Stream):
 
     async def run(self, done: asyncio.Event) -> None:
         """Step the batcher while it has work, until `done`; resolve the groups that ended."""
+        self._started = time.monotonic()
         while not done.is_set():
             if not self._futures:
                 self._wake.clear()
@@ -175,32 +178,40 @@ class GroupStream(Stream):
                 self._futures.pop(request).set_result(request)
 
     async def load(self, load: Callable[[], float], version: int, created_at: float) -> float:
-        """Load a version under the weight-update policy; the engine seconds it took."""
-        if self.policy == "finish":
-            self.holding = True
-            try:
+        """Load a version under the weight-update policy; the engine seconds it took. No group
+        starts while a `finish` or `restart` load is on its way (`holding`)."""
+        self._announced = (version, created_at)
+        if self.policy == "continue":
+            return await self.in_engine(load)
+        self.holding = True
+        try:
+            if self.policy == "finish":
                 while self._futures:
                     await asyncio.sleep(0.01)
-                seconds = await self.in_engine(load)
-            finally:
-                self.holding = False
-        elif self.policy == "restart":
-            requests = list(self._futures)
-            seconds = await asyncio.shield(self.in_engine(self._abort_and_load, requests, load))
+                return await self.in_engine(load)
+            return await self._restart(load)
+        finally:
+            self.holding = False
+
+    async def _restart(self, load: Callable[[], float]) -> float:
+        """Abort the requests in flight and load, in one engine call; the aborted groups are
+        submitted again (under the new weights, or the old ones if the load failed)."""
+        requests, wasted = list(self._futures), {}
+        try:
+            return await asyncio.shield(self.in_engine(self._abort_and_load, requests, load,
+                                                       wasted))
+        finally:
             for request in requests:
                 future = self._futures.pop(request, None)
-                if future is None:  # resolved by the step before the load
+                if future is None or future.done():  # resolved by the step before the load
                     continue
-                self.counts["restarts"] += not request.done
+                self.counts["restarts"] += wasted.get(request, 0) > 0
                 future.set_result(request if request.done else RESTARTED)
-        else:
-            seconds = await self.in_engine(load)
-        self._announced = (version, created_at)
-        return seconds
 
-    def _abort_and_load(self, requests: list, load: Callable[[], float]) -> float:
+    def _abort_and_load(self, requests: list, load: Callable[[], float],
+                        wasted: dict) -> float:
         for request in requests:
-            self.sampler.abort(request)
+            wasted[request] = self.sampler.abort(request)
         return load()
 
     def extras(self) -> dict[str, float | int]:
@@ -269,9 +280,9 @@ class RequestStream(Stream):
         await done.wait()
 
     async def load(self, load: Callable[[], float], version: int, created_at: float) -> float:
+        self._announced = (version, created_at)
         seconds = await self.in_engine(load)
         self._loads += 1
-        self._announced = (version, created_at)
         return seconds
 
     def extras(self) -> dict[str, float | int]:

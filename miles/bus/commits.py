@@ -102,20 +102,28 @@ class DoneOffsets:
 
 class StreamOffsets(DoneOffsets):
     """Done offsets of records finished in any order (see the module docstring): `take` each
-    record as it starts, `finish` it once handled, and report each poll's end (`polled`)."""
+    record as it starts (a ticket), `finish` the ticket once handled, and report each poll's
+    end (`polled`). A ticket from before a revocation of its partition is stale: its record
+    was handed over (or taken again), so finishing it changes nothing here."""
 
     def __init__(self) -> None:
         super().__init__()
         self._taken: dict[TopicPartition, set[int]] = {}  # offsets in flight
         self._polled: dict[TopicPartition, int] = {}  # next offset after the last poll
         self._position: dict[TopicPartition, int] = {}  # the last position marked done
+        self._epochs: dict[TopicPartition, int] = {}  # revocations of each partition so far
+        self._abandoned = False
 
-    def take(self, record: Record) -> None:
+    def take(self, record: Record) -> tuple[TopicPartition, int, int]:
         self._taken.setdefault(record.tp, set()).add(record.offset)
+        return record.tp, record.offset, self._epochs.get(record.tp, 0)
 
-    def finish(self, record: Record) -> None:
-        self._taken.get(record.tp, set()).discard(record.offset)
-        self._advance(record.tp)
+    def finish(self, ticket: tuple[TopicPartition, int, int]) -> None:
+        tp, offset, epoch = ticket
+        if epoch != self._epochs.get(tp, 0):
+            return
+        self._taken.get(tp, set()).discard(offset)
+        self._advance(tp)
 
     def polled(self, offsets: Mapping[TopicPartition, int]) -> None:
         """A poll ended at `offsets` (next offsets); the records it did not take are handled."""
@@ -127,6 +135,11 @@ class StreamOffsets(DoneOffsets):
         return sum(len(offsets) for tp, offsets in self._taken.items()
                    if tps is None or tp in tps)
 
+    def abandon(self) -> None:
+        """The records in flight will not be handled (the producer is stopping or crashed): a
+        revocation commits what is done without waiting for them."""
+        self._abandoned = True
+
     def _advance(self, tp: TopicPartition) -> None:
         taken = self._taken.get(tp)
         position = min(taken) if taken else self._polled.get(tp, 0)
@@ -134,16 +147,18 @@ class StreamOffsets(DoneOffsets):
             self._position[tp] = self._done[tp] = position
 
     async def on_revoked(self, revoked: set[TopicPartition]) -> None:
-        """Wait for the records in flight on `revoked` (at most `REVOKE_WAIT_S`), commit what is
-        done there, and forget those partitions (a later assignment starts at the commit)."""
+        """Wait for the records in flight on `revoked` (at most `REVOKE_WAIT_S`, not at all once
+        abandoned), commit what is done there, and forget those partitions (a later assignment
+        starts at the commit)."""
         self._revoking = True
         deadline = time.monotonic() + REVOKE_WAIT_S
-        while self.in_flight(revoked) and time.monotonic() < deadline:
+        while self.in_flight(revoked) and not self._abandoned and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
         if self.in_flight(revoked):
-            log.warning("partitions revoked with %d prompts still in flight after %g s; they "
-                        "will be generated again", self.in_flight(revoked), REVOKE_WAIT_S)
+            log.warning("partitions revoked with %d prompts still in flight; they will be "
+                        "generated again", self.in_flight(revoked))
         await self.commit(revoked)
         for tp in revoked:
             for state in (self._taken, self._polled, self._position):
                 state.pop(tp, None)
+            self._epochs[tp] = self._epochs.get(tp, 0) + 1

@@ -1,11 +1,13 @@
 """The streaming producer (`rollout.max_in_flight`) on the embedded bus with real adapters:
-groups leave the engine's running batch as they end and their prompts are committed in order;
+groups leave the engine's running batch as they end and their prompts are committed (out of
+order, never past one in flight);
 a version announced mid-generation is loaded under each `weight_update` policy, and a
 `continue` sample's per-token versions and logprobs are those of the weights that sampled them."""
 
 from __future__ import annotations
 
 import asyncio
+import time
 
 import numpy as np
 import pytest
@@ -16,7 +18,8 @@ from miles.bus import open_bus
 from miles.engines.base import LoraSettings
 from miles.engines.hf import HFEngine
 from miles.engines.vllm_server import VLLMServerEngine
-from miles.errors import ConfigError
+from miles import rollout
+from miles.errors import BusError, ConfigError, EngineError
 from miles.feeder import feed
 from miles.protocol import TrajectoryGroup, decode, encode
 from miles.protocol.topics import run_topics, topic_name
@@ -59,7 +62,7 @@ async def start(bus, run: str, model_dir, store, **settings):
     engine = HFEngine(model_dir, lora=LORA)
     worker = RolloutWorker(bus, engine, Scorer(starts_with_digit), RolloutConfig(
         run=run, base_model=base_model_id(model_dir), weights=FollowConfig(store=store),
-        heartbeat_s=60, max_staleness=100, **settings))
+        **{"heartbeat_s": 60, "max_staleness": 100, **settings}))
     stop = asyncio.Event()
     return worker, stop, asyncio.create_task(worker.run(stop))
 
@@ -220,3 +223,100 @@ async def test_a_version_loaded_while_server_requests_run(tmp_path, policy):
         assert models == ["tiny", "tiny", "miles-v1", "miles-v1"] and versions == {1}
         assert extras["restarted_groups"] == 2 and extras["tokens_wasted"] == 2 * 2 * 3
     assert fake.posted("/v1/unload_lora_adapter") == []  # the base model is never unloaded
+
+
+async def test_a_restart_whose_load_fails_generates_its_groups_again(model_dir, adapters,
+                                                                     tmp_path):
+    """An adapter of another rank passes the store's checks and fails in the engine: the
+    groups the restart aborted are generated again under the weights kept, and stop returns."""
+    store, _, _ = adapters
+    wrong = write_version(tmp_path / "store", policy_version=1, step=1,
+                          base_model=base_model_id(model_dir),
+                          write=lambda folder: save_adapter(model_dir, folder,
+                                                            LoraSettings(r=8, alpha=16), seed=2))
+    run = "stream-restart-fails"
+    fed = arithmetic_problems("train")[:4]
+    async with open_bus("embedded://") as bus:
+        worker, stop, running = await start(bus, run, model_dir, tmp_path / "store",
+                                            max_in_flight=2, sampling=LONG,
+                                            weight_update="restart")
+        try:
+            await feed(bus, run, fed, shuffle=False)
+            await wait_for(lambda: worker.stream.sampler.tokens_generated >= 20)
+            await bus.publish(topic_name(run, "control"), encode(wrong))
+            await wait_for(lambda: worker.counts["producer/weight_errors"] == 1)
+            await wait_for(lambda: worker.counts["producer/groups"] == len(fed), timeout_s=60)
+        finally:
+            stop.set()
+            await asyncio.wait_for(running, 10)
+    assert worker.stream.extras()["restarted_groups"] >= 1
+    assert worker.engine.policy_version == 0
+
+
+async def test_stop_gives_failing_groups_a_deadline_and_leaves_them_uncommitted(
+        model_dir, adapters, monkeypatch):
+    store, _, _ = adapters
+    monkeypatch.setattr(rollout, "STOP_WAIT_S", 1.0)
+    run = "stream-stop"
+    async with open_bus("embedded://") as bus:
+        worker, stop, running = await start(bus, run, model_dir, store, max_in_flight=2,
+                                            sampling=LONG)
+        sampler = worker.stream.sampler
+
+        def broken():
+            raise EngineError("the device is gone")
+
+        try:
+            await feed(bus, run, arithmetic_problems("train")[:2], shuffle=False)
+            await wait_for(lambda: sampler.rows_in_flight == 4)
+            monkeypatch.setattr(sampler, "step", broken)
+            await wait_for(lambda: worker.counts["producer/engine_errors"] >= 1)
+        finally:
+            stop.set()
+            await asyncio.wait_for(running, 10)
+        committed = await bus.group_offsets([topic_name(run, "prompts")])
+    assert worker.counts["producer/groups"] == 0
+    assert sum(committed.get(f"miles.{run}.producers", {}).values()) == 0  # generated again
+
+
+async def test_on_policy_streaming_takes_one_group_per_trainer_step(model_dir, adapters):
+    """max_staleness 0 with one group per step: only the next group is fresh enough, however
+    many places are free."""
+    store, _, _ = adapters
+    run = "stream-admission"
+    async with open_bus("embedded://") as bus:
+        worker, stop, running = await start(bus, run, model_dir, store, max_in_flight=4,
+                                            sampling=SamplingParams(n=2, max_new_tokens=4),
+                                            max_staleness=0, groups_per_step=1)
+        try:
+            await feed(bus, run, arithmetic_problems("train")[:4], shuffle=False)
+            await wait_for(lambda: worker.waiting is not None
+                           and worker.counts["producer/groups"] == 1)
+            await asyncio.sleep(0.5)  # four places are free: a group too many would be out
+        finally:
+            stop.set()
+            await asyncio.wait_for(running, 10)
+    assert worker.counts["producer/groups"] == 1
+    assert worker.waiting == "policy version >= 1 (loaded 0)"
+
+
+async def test_a_failing_publish_ends_the_producer_at_once(model_dir, adapters, monkeypatch):
+    """A group that raises (here its publish) ends the worker with that error, without the
+    revocation waiting for the other groups in flight."""
+    store, _, _ = adapters
+    run = "stream-crash"
+    async with open_bus("embedded://") as bus:
+        worker, stop, running = await start(bus, run, model_dir, store, max_in_flight=3,
+                                            sampling=LONG)
+
+        async def failing_send(*args, **kwargs):
+            raise BusError("the broker is gone")
+
+        await feed(bus, run, arithmetic_problems("train")[:6], shuffle=False)
+        await wait_for(lambda: worker.stream.in_flight == 3)
+        monkeypatch.setattr(worker.bus, "send", failing_send)
+        began = time.monotonic()
+        with pytest.raises(BaseExceptionGroup) as ended:
+            await asyncio.wait_for(running, 20)
+        assert ended.value.subgroup(BusError) is not None
+        assert time.monotonic() - began < 10

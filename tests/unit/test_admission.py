@@ -2,7 +2,7 @@
 
 import pytest
 
-from miles.admission import TrainerView, admitted
+from miles.admission import TrainerView, admissible, admitted
 
 
 @pytest.mark.parametrize("loaded, trainer_version, in_flight, batch, per_step, bound, expected", [
@@ -27,3 +27,17 @@ def test_the_trainer_view_follows_the_newest_generation():
     assert trainer.follow(1, 5) and trainer.policy_version == 7  # within one: only grows
     assert trainer.follow(2, 3) and (trainer.generation, trainer.policy_version) == (2, 3)
     assert not trainer.follow(1, 9) and trainer.policy_version == 3  # a fenced trainer
+
+
+@pytest.mark.parametrize("loaded, in_flight, most, per_step, bound, expected", [
+    (0, 0, 4, 1, 0, 1),   # on-policy, one group per step: only the next group is fresh
+    (0, 0, 4, 4, 0, 4),   # four groups fill version 0's step
+    (0, 3, 4, 4, 0, 1),   # three in flight leave one place in the step
+    (0, 4, 4, 4, 0, 0),   # the step is full: wait for the trainer
+    (0, 4, 8, 4, 1, 4),   # one version of slack: the next step's four
+    (1, 4, 8, 4, 0, 4),   # a newer version loaded: its step
+])
+def test_a_streaming_producer_takes_only_the_groups_each_fresh_enough(
+        loaded, in_flight, most, per_step, bound, expected):
+    assert admissible(loaded_version=loaded, trainer=TrainerView(), in_flight=in_flight,
+                      most=most, groups_per_step=per_step, max_staleness=bound) == expected
