@@ -17,6 +17,10 @@ Three loops share one engine:
   `ENGINE_RETRY_S`, counted and reported in a heartbeat. A prompt no engine of this vocabulary
   can take (no tokens, token ids outside it) is the prompt's fault, not the engine's: it is
   dead-lettered and committed past with its batch, never retried.
+  Streaming (`max_in_flight` > 0, `miles.rollout_stream`, docs/streaming.md) replaces batches:
+  up to `max_in_flight` groups in generation at once, each published as it ends and its
+  prompt committed out of order (`StreamOffsets`), new prompts taken as admission allows;
+  a version arriving mid-generation is loaded under `weight_update`.
 - control: read the control topic from its start, catch up, then load the newest `WeightVersion`
   that verifies and loads (`miles.weights.follower.WeightFollower`: the newest trainer
   generation's versions, files checked against the weight store, signatures against
@@ -75,7 +79,7 @@ class RolloutConfig:
     producer_id: str = "producer-0"
     sampling: SamplingParams = field(default_factory=SamplingParams)
     prompts_per_batch: int = 32  # prompts generated together in one engine call
-    max_in_flight: int = 0  # > 0: stream up to this many groups (hf, single-turn); 0: batches
+    max_in_flight: int = 0  # > 0: stream this many groups (hf or vllm-server engine); 0: batches
     weight_update: str = "continue"  # streaming: continue, finish or restart running samples
     max_staleness: int = 1  # same bound as the trainer's
     groups_per_step: int = 32  # the trainer's groups per optimizer step (for admission)
@@ -146,7 +150,7 @@ class RolloutWorker:
         self.follower = WeightFollower(config.weights, base_model=config.base_model,
                                        counts=self.counts, apply=self._apply,
                                        reject=self._reject)
-        self.stream = None  # streaming: the groups in the engine's continuous batcher
+        self.stream = None  # streaming: the groups in generation (GroupStream, RequestStream)
         if config.max_in_flight:
             config.check_streaming(engine.name, "an environment" if env is not None else "")
             shared = (self.groups, self._in_engine, config.weight_update, config.seed,
@@ -210,8 +214,8 @@ class RolloutWorker:
 
     async def _stream_loop(self, stop: asyncio.Event, drain: asyncio.Event, consumer,
                            prompts: DecodingConsumer, trajectories) -> None:
-        """Keep up to `max_in_flight` groups in the engine, each admitted on its own; publish
-        and commit each as it ends. On stop or drain the groups in flight get `STOP_WAIT_S` to
+        """Keep up to `max_in_flight` groups in generation, as many as admission allows;
+        publish and commit each as it ends. On stop or drain the groups in flight get `STOP_WAIT_S` to
         finish; those still running then are cancelled, their prompts left uncommitted."""
         finished = asyncio.Event()
         groups: set[asyncio.Task] = set()
