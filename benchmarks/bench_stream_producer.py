@@ -26,9 +26,8 @@ import asyncio
 import json
 import statistics
 import time
-from pathlib import Path
 
-import torch
+from bench_streaming import add_workload_arguments, markdown_table, workload_engine
 
 from miles.bus import open_bus
 from miles.engines.hf import HFEngine
@@ -38,11 +37,8 @@ from miles.protocol.topics import run_topics, topic_name
 from miles.rl.sampling import SamplingParams
 from miles.rollout import RolloutConfig, RolloutWorker
 from miles.tasks.arithmetic import Problem
-from miles.tasks.long_tail import build_long_tail_model, length_percentiles, long_tail_prompts
+from miles.tasks.long_tail import length_percentiles, long_tail_prompts
 from miles.tasks.rewards import resolve_reward
-
-MODEL = {"hidden_size": 128, "layers": 4, "heads": 4, "kv_heads": 2}  # the demo's tiny model
-
 
 async def run_mode(engine: HFEngine, mode: str, problems: list[Problem], args,
                    repeat: int) -> dict:
@@ -80,36 +76,18 @@ async def published_lengths(bus, run: str, count: int) -> list[int]:
     return [len(s.response_token_ids) for g in groups for s in g.samples]
 
 
-def table(rows: list[dict]) -> str:
-    lines = ["| mode | rows in engine | wall s | cpu s | tokens | tokens/s | busy | p50 | p90 | "
-             "p99 | max |", "|" + " --- |" * 11]
-    for r in rows:
-        lines.append(
-            f"| {r['mode']} | {r['rows']} | {r['wall_s']:.1f} | {r['cpu_s']:.1f} | "
-            f"{r['tokens']:.0f} | {r['tokens_per_s']:.0f} | {r['busy_fraction']:.2f} | "
-            f"{r['p50']:.0f} | {r['p90']:.0f} | {r['p99']:.0f} | {r['max']:.0f} |")
-    return "\n".join(lines)
+COLUMNS = [("mode", "mode", "s"), ("rows in engine", "rows", "d"), ("wall s", "wall_s", ".1f"),
+           ("cpu s", "cpu_s", ".1f"), ("tokens", "tokens", ".0f"),
+           ("tokens/s", "tokens_per_s", ".0f"), ("busy", "busy_fraction", ".2f"),
+           ("p50", "p50", ".0f"), ("p90", "p90", ".0f"), ("p99", "p99", ".0f"),
+           ("max", "max", ".0f")]
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--prompts", type=int, default=96)
-    parser.add_argument("--n", type=int, default=4)
-    parser.add_argument("--prompts-per-batch", type=int, default=8)
-    parser.add_argument("--max-in-flight", type=int, default=8, help="groups (x n rows)")
-    parser.add_argument("--max-new-tokens", type=int, default=256)
-    parser.add_argument("--skew", type=float, default=0.6)
-    parser.add_argument("--repeats", type=int, default=2)
-    parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
-    parser.add_argument("--out", type=Path, default=Path("runs/bench-stream-producer"))
+    add_workload_arguments(parser, prompts=96, out="runs/bench-stream-producer")
     args = parser.parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    args.out.mkdir(parents=True, exist_ok=True)
-    model_dir = args.out / "model"
-    if not (model_dir / "config.json").exists():
-        build_long_tail_model(model_dir, max_positions=args.max_new_tokens + 64, **MODEL)
-    engine = HFEngine(model_dir)
+    engine = workload_engine(args)
     problems = [Problem(task_id=f"t{i}", prompt=p, answer="")
                 for i, p in enumerate(long_tail_prompts(args.prompts, skew=args.skew))]
     modes = ("batch", "stream")
@@ -126,7 +104,7 @@ def main() -> None:
     print("stream / batch tokens/s per repeat: " + ", ".join(f"{r:.2f}x" for r in ratios)
           + f" (median {statistics.median(ratios):.2f}x)")
     (args.out / "stream_producer.json").write_text(json.dumps(rows, indent=2))
-    print(table(rows))
+    print(markdown_table(COLUMNS, rows))
 
 
 if __name__ == "__main__":

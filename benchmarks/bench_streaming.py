@@ -100,22 +100,25 @@ def summary(wall: float, cpu: float, lengths: list[int], row_steps: int, steps: 
             **length_percentiles(lengths)}
 
 
-def table(rows: list[dict]) -> str:
-    lines = ["| mode | max rows | wall s | cpu s | tokens | tokens/s | tokens/cpu-s | steps | "
-             "cpu ms/step | useful | occupancy | p50 | p90 | p99 | max |", "|" + " --- |" * 15]
-    for r in rows:
-        lines.append(
-            f"| {r['mode']} | {r['max_rows']} | {r['wall_s']:.1f} | {r['cpu_s']:.1f} | "
-            f"{r['tokens']:.0f} | {r['tokens_per_s']:.0f} | {r['tokens_per_cpu_s']:.0f} | "
-            f"{r['steps']:.0f} | {r['cpu_ms_per_step']:.1f} | {r['useful']:.2f} | "
-            f"{r['occupancy']:.2f} | {r['p50']:.0f} | {r['p90']:.0f} | {r['p99']:.0f} | "
-            f"{r['max']:.0f} |")
+COLUMNS = [("mode", "mode", "s"), ("max rows", "max_rows", "d"), ("wall s", "wall_s", ".1f"),
+           ("cpu s", "cpu_s", ".1f"), ("tokens", "tokens", ".0f"),
+           ("tokens/s", "tokens_per_s", ".0f"), ("tokens/cpu-s", "tokens_per_cpu_s", ".0f"),
+           ("steps", "steps", ".0f"), ("cpu ms/step", "cpu_ms_per_step", ".1f"),
+           ("useful", "useful", ".2f"), ("occupancy", "occupancy", ".2f"), ("p50", "p50", ".0f"),
+           ("p90", "p90", ".0f"), ("p99", "p99", ".0f"), ("max", "max", ".0f")]
+
+
+def markdown_table(columns: list[tuple[str, str, str]], rows: list[dict]) -> str:
+    """`rows` as a Markdown table; each column is (header, key, format spec)."""
+    lines = ["| " + " | ".join(h for h, _, _ in columns) + " |", "|" + " --- |" * len(columns)]
+    lines += ["| " + " | ".join(format(r[key], spec) for _, key, spec in columns) + " |"
+              for r in rows]
     return "\n".join(lines)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--prompts", type=int, default=128)
+def add_workload_arguments(parser: argparse.ArgumentParser, *, prompts: int, out: str) -> None:
+    """The long-tail workload's options (shared with bench_stream_producer.py)."""
+    parser.add_argument("--prompts", type=int, default=prompts)
     parser.add_argument("--n", type=int, default=4)
     parser.add_argument("--prompts-per-batch", type=int, default=8)
     parser.add_argument("--max-in-flight", type=int, default=8, help="prompts (x n rows)")
@@ -123,16 +126,26 @@ def main() -> None:
     parser.add_argument("--skew", type=float, default=0.6)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
-    parser.add_argument("--modes", default="batch,stream,stream-rows")
-    parser.add_argument("--out", type=Path, default=Path("runs/bench-streaming"))
-    args = parser.parse_args()
+    parser.add_argument("--out", type=Path, default=Path(out))
+
+
+def workload_engine(args) -> HFEngine:
+    """The long-tail model (built into `args.out` once) in an HF engine."""
     if args.threads:
         torch.set_num_threads(args.threads)
     args.out.mkdir(parents=True, exist_ok=True)
     model_dir = args.out / "model"
     if not (model_dir / "config.json").exists():
         build_long_tail_model(model_dir, max_positions=args.max_new_tokens + 64, **MODEL)
-    engine = HFEngine(model_dir)
+    return HFEngine(model_dir)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_workload_arguments(parser, prompts=128, out="runs/bench-streaming")
+    parser.add_argument("--modes", default="batch,stream,stream-rows")
+    args = parser.parse_args()
+    engine = workload_engine(args)
     params = SamplingParams(n=args.n, temperature=1.0, max_new_tokens=args.max_new_tokens)
     prompts = [engine.encode(p) for p in long_tail_prompts(args.prompts, skew=args.skew)]
     warm = SamplingParams(n=2, max_new_tokens=4)
@@ -162,7 +175,7 @@ def main() -> None:
                   + ", ".join(f"{r:.2f}x" for r in ratios)
                   + f" (median {statistics.median(ratios):.2f}x)")
     (args.out / "streaming.json").write_text(json.dumps(rows, indent=2))
-    print(table(rows))
+    print(markdown_table(COLUMNS, rows))
 
 
 if __name__ == "__main__":
