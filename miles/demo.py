@@ -129,17 +129,20 @@ class DemoConfig:
         n=8, temperature=1.0, max_new_tokens=5))
     learner: LearnerConfig = field(default_factory=lambda: LearnerConfig(lr=1e-3))
     groups_per_step: int = 32
+    prompts_per_batch: int = 0  # the producer's batch (0: groups_per_step, one step's worth)
 
     def __post_init__(self) -> None:
         if self.rl_seconds <= 0:
             raise ConfigError(f"rl_seconds must be > 0, got {self.rl_seconds}")
+        if self.prompts_per_batch < 0:
+            raise ConfigError(f"prompts_per_batch must be >= 0, got {self.prompts_per_batch}")
         if self.engine not in ENGINES:
             raise ConfigError(f"engine must be one of {', '.join(ENGINES)}, got {self.engine!r}")
         self.episodes.check_engine(self.engine)
 
     def rollout(self) -> RolloutConfig:
         return RolloutConfig(run=self.run, producer_id="producer-0", sampling=self.sampling,
-                             prompts_per_batch=self.groups_per_step,
+                             prompts_per_batch=self.prompts_per_batch or self.groups_per_step,
                              max_staleness=self.max_staleness,
                              groups_per_step=self.groups_per_step, weights=self.weights())
 

@@ -13,6 +13,7 @@ from transformers import AutoTokenizer
 
 from miles import demo
 from miles.config import load_with_preset
+from miles.errors import ConfigError
 from miles.demo import DemoConfig, env_overrides, warm_start
 from miles.rl.algorithm import preset_layers
 from miles.tasks.datasets import load_problems
@@ -34,6 +35,14 @@ def test_env_names_a_built_in_demo_or_the_producers_environment():
     other = demo_config(env="tests.envs:SecondTry")
     assert (other.env, other.prompts) == ("tests.envs:SecondTry", "arithmetic")
     assert demo_config().env == ""
+
+
+def test_the_producer_batch_is_one_step_unless_set():
+    assert demo_config().rollout().prompts_per_batch == 32
+    small = demo_config("prompts_per_batch=4")
+    assert (small.rollout().prompts_per_batch, small.rollout().groups_per_step) == (4, 32)
+    with pytest.raises(ConfigError, match="prompts_per_batch"):
+        demo_config("prompts_per_batch=-1")
 
 
 @pytest.fixture
