@@ -83,7 +83,9 @@ class Stream:
     def _count(self, group: TrajectoryGroup) -> None:
         for sample in group.samples:
             self.counts["samples"] += 1
-            self.counts["mixed_samples"] += int(sample.versions.min() != sample.versions.max())
+            versions = sample.versions
+            self.counts["mixed_samples"] += int(len(versions) > 0
+                                                and versions.min() != versions.max())
             self.lengths.append(len(sample.response_token_ids))
 
     def _sampled_under(self, version: int) -> None:
