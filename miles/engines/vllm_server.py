@@ -33,9 +33,9 @@ Simplifications, chosen on purpose:
   previous adapter is unloaded once no generate uses it any more (best effort, logged); a
   resumed trainer's version with the number being served loads as `<prefix>-v<N>-reload`. A
   name the server already holds (a load whose reply timed out, an unload that failed) is
-  unloaded and loaded again, so a name always serves the folder of its version. Adapters named `<prefix>-v<N>` left by an
-  earlier run are unloaded at start-up, so producers sharing one server need distinct
-  `adapter_prefix`es.
+  unloaded and loaded again, so a name always serves the folder of its version. Adapters named
+  `<prefix>-v<N>` left by an earlier run are unloaded at start-up, so producers sharing one
+  server need distinct `adapter_prefix`es.
 - A server that answers a generate with 404 no longer knows the adapter that generate named (it
   was restarted); the engine loads the same folder under the same name again (a concurrent
   generate that already did so is a 400 "already loaded", taken as done) and retries once, so a
@@ -229,6 +229,7 @@ class VLLMServerEngine(TokenizedEngine):
                 raise EngineError(f"cannot load adapter {name}: {err}{hint}") from err
             previous, self._served, self._policy_version = self._served, name, policy_version
             self._served_dir = adapter_dir
+            self._retired.discard(name)  # served again: its old users must not unload it
             in_use = self._users.get(previous, 0) > 0
             if in_use and previous != self.base_model:
                 self._retired.add(previous)  # its last generate unloads it
