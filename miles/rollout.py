@@ -60,14 +60,13 @@ from miles.protocol.topics import topic_name
 from miles.rl.sampling import SamplingParams
 from miles.service import wait_or_stop
 from miles.rollout_groups import EPISODE_COUNTERS, EpisodeGroups, SingleTurnGroups
-from miles.rollout_stream import WEIGHT_UPDATES, GroupStream, RequestStream
+from miles.rollout_stream import ENGINE_RETRY_S, WEIGHT_UPDATES, GroupStream, RequestStream
 from miles.tasks.rewards import Scorer
 from miles.weights.follower import WeightFollower
 from miles.weights.following import FollowConfig
 
 log = logging.getLogger(__name__)
 ADMISSION_POLL_S = 0.02
-ENGINE_RETRY_S = 2.0  # pause before retrying a batch the engine failed on
 WAIT_WARN_S = 30.0  # admission waiting this long is logged (a stalled trainer or weights)
 STOP_WAIT_S = 30.0  # streaming: how long a stop or drain waits for the groups in flight
 STREAMING_ENGINES = ("hf", "vllm-server")  # a continuous batcher, or concurrent requests

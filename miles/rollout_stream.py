@@ -55,7 +55,7 @@ from miles.service import wait_or_stop
 
 log = logging.getLogger(__name__)
 WEIGHT_UPDATES = ("continue", "finish", "restart")
-ENGINE_RETRY_S = 2.0  # pause before stepping again after a step failed
+ENGINE_RETRY_S = 2.0  # pause before generating again after the engine failed (batch or step)
 LENGTHS_KEPT = 1000  # published sample lengths kept for the length percentiles
 RESTARTED = object()  # a request's result when the `restart` policy aborted it
 
