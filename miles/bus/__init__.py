@@ -1,7 +1,7 @@
 """Message buses: one contract (`Bus`, `Consumer`), a Kafka and an in-process implementation.
 
 `open_bus(url)` picks by address: `kafka://HOST:PORT` for Kafka, `embedded://` (or nothing) for
-the in-process bus. aiokafka is imported only when a Kafka bus is asked for.
+the in-process bus, `embedded://PATH` for one kept in the folder PATH. aiokafka is imported only when a Kafka bus is asked for.
 """
 
 from miles.bus.base import Bus, Consumer, Delivery, Record, TopicInfo, TopicPartition
@@ -19,8 +19,11 @@ def open_bus(url: str | None = None, security: KafkaSecurity | None = None) -> B
     none is set)."""
     if url is None or url in ("", "embedded", "embedded://"):
         return EmbeddedBus()
+    if url.startswith("embedded://"):
+        return EmbeddedBus(url.removeprefix("embedded://"))
     if url.startswith("kafka://"):
         from miles.bus.kafka import KafkaBus
 
         return KafkaBus(url, security=security if security is not None else from_env())
-    raise BusError(f"bus address must be kafka://HOST:PORT or embedded://, got {url!r}")
+    raise BusError(f"bus address must be kafka://HOST:PORT, embedded:// or embedded://PATH, "
+                   f"got {url!r}")

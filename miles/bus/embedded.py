@@ -1,7 +1,9 @@
 """In-process bus with Kafka's semantics, for single-process runs without a broker.
 
 Simplifications, chosen because one process on one event loop is the only user:
-- records live in memory for the life of the bus (no retention, no persistence);
+- records live in memory for the life of the bus (no retention); `embedded://PATH` also keeps
+  them and the groups' committed offsets in files under PATH (`miles.bus.embedded_log`), so a
+  process that opens the same PATH after a kill reads on where the killed one left off;
 - a group rebalances eagerly and at once when a member starts or closes: every member's
   partitions are revoked (its `on_revoked` awaited), then the new assignment is handed out
   (contiguous ranges of each topic's partitions over the members sorted by join order); a
@@ -17,25 +19,26 @@ import itertools
 import time
 import zlib
 from collections.abc import Awaitable, Iterable, Mapping, Sequence
+from pathlib import Path
 
 from miles.bus.base import (Bus, Consumer, Delivery, Headers, RebalanceCallback, Record,
                             TopicInfo, TopicPartition, check_record_size)
+from miles.bus.embedded_log import BusFiles
 from miles.errors import BusError, CommitFailedError
 from miles.protocol.topics import TopicSpec
 
 
 class _Topic:
-    def __init__(self, spec: TopicSpec):
-        self.info = TopicInfo(name=spec.name, partitions=spec.partitions,
-                              configs=dict(spec.configs))
-        self.partitions: list[list[Record]] = [[] for _ in range(spec.partitions)]
-        self.round_robin = itertools.cycle(range(spec.partitions))
+    def __init__(self, info: TopicInfo, partitions: list[list[Record]] | None = None):
+        self.info = info
+        self.partitions = partitions or [[] for _ in range(info.partitions)]
+        self.round_robin = itertools.cycle(range(info.partitions))
 
 
 class _Group:
-    def __init__(self) -> None:
+    def __init__(self, committed: dict[TopicPartition, int] | None = None) -> None:
         self.members: list[EmbeddedConsumer] = []
-        self.committed: dict[TopicPartition, int] = {}
+        self.committed: dict[TopicPartition, int] = committed or {}
         self.lock = asyncio.Lock()
 
     async def rebalance(self, *, joining: EmbeddedConsumer | None = None,
@@ -63,9 +66,11 @@ class _Group:
 
 
 class EmbeddedBus(Bus):
-    url = "embedded://"
+    """In memory, or durable in the folder `path` (read back when the bus starts)."""
 
-    def __init__(self) -> None:
+    def __init__(self, path: str | Path | None = None) -> None:
+        self._files = BusFiles(Path(path)) if path else None
+        self.url = f"embedded://{path}" if path else "embedded://"
         self._topics: dict[str, _Topic] = {}
         self._groups: dict[str, _Group] = {}
         self._new_data = asyncio.Event()
@@ -73,16 +78,27 @@ class EmbeddedBus(Bus):
 
     async def start(self) -> None:
         self._closed = False
+        if self._files is not None and not self._topics:
+            self._topics = {name: _Topic(info, partitions)
+                            for name, (info, partitions) in self._files.topics().items()}
+            self._groups = {group_id: _Group(committed)
+                            for group_id, committed in self._files.groups().items()}
 
     async def close(self) -> None:
         self._closed = True
         self._wake_consumers()
+        if self._files is not None:
+            self._files.close()
 
     async def create_topics(self, specs: Iterable[TopicSpec]) -> list[str]:
         created = []
         for spec in specs:
             if spec.name not in self._topics:
-                self._topics[spec.name] = _Topic(spec)
+                info = TopicInfo(name=spec.name, partitions=spec.partitions,
+                                 configs=dict(spec.configs))
+                if self._files is not None:
+                    self._files.add_topic(info)
+                self._topics[spec.name] = _Topic(info)
                 created.append(spec.name)
         return created
 
@@ -121,9 +137,12 @@ class EmbeddedBus(Bus):
         elif not 0 <= partition < len(state.partitions):
             raise BusError(f"{topic} has no partition {partition}")
         log = state.partitions[partition]
-        log.append(Record(topic=topic, partition=partition, offset=len(log), key=key,
-                          value=bytes(value), headers=tuple(headers or ()),
-                          timestamp_ms=int(time.time() * 1000)))
+        record = Record(topic=topic, partition=partition, offset=len(log), key=key,
+                        value=bytes(value), headers=tuple(headers or ()),
+                        timestamp_ms=int(time.time() * 1000))
+        if self._files is not None:
+            self._files.append(record)  # on disk before it is acknowledged
+        log.append(record)
         self._wake_consumers()
         done = asyncio.get_running_loop().create_future()
         done.set_result(Delivery(topic, partition, len(log) - 1))
@@ -231,7 +250,10 @@ class EmbeddedConsumer(Consumer):
                 raise CommitFailedError(f"cannot commit {tp}: not assigned to this consumer")
             if offset < 0:
                 raise BusError(f"cannot commit negative offset {offset} for {tp}")
-        self.bus._group(self.group_id).committed.update(offsets)
+        group = self.bus._group(self.group_id)
+        group.committed.update(offsets)
+        if self.bus._files is not None:
+            self.bus._files.commit(self.group_id, group.committed)
 
     async def committed(self, tp: TopicPartition) -> int | None:
         return self.bus._group(self.group_id).committed.get(tp)

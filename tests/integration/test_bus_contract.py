@@ -1,4 +1,5 @@
-"""One contract, two buses: every test runs on the embedded bus and on the real Kafka broker."""
+"""One contract, two buses: every test runs on the embedded bus (in memory and durable,
+`embedded://PATH`) and on the real Kafka broker."""
 
 from __future__ import annotations
 
@@ -14,6 +15,15 @@ from miles.protocol.topics import (MAX_RECORD_BYTES, TOPIC_MAX_MESSAGE_BYTES, ru
 from tests.conftest import unique_run
 
 COLLECT_TIMEOUT_S = 30.0
+
+
+@pytest.fixture(params=["embedded", "durable", pytest.param("kafka", marks=pytest.mark.kafka)])
+def bus_url(request, tmp_path) -> str:
+    if request.param == "durable":
+        return f"embedded://{tmp_path / 'bus'}"
+    if request.param == "embedded":
+        return "embedded://"
+    return request.getfixturevalue("kafka_broker").url
 
 
 async def collect(consumer: Consumer, count: int, timeout_s: float = COLLECT_TIMEOUT_S) -> list[Record]:
