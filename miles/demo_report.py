@@ -1,5 +1,6 @@
-"""The demo's report: held-out accuracy before and after, steps, staleness, time fractions, the
-producers' episode counters per episode, and the curves (`report.json`, `curves.png`)."""
+"""A run's report (`miles run`, `miles demo`): held-out accuracy before and after, steps,
+staleness, what ended the run, time fractions, the producers' episode counters per episode, and
+the curves (`report.json`, `curves.png`)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from miles.evaluation import Curve
 from miles.rollout_groups import EPISODE_COUNTERS
 
 if TYPE_CHECKING:
-    from miles.demo import DemoConfig
+    from miles.run import RunConfig
 
 
 def producers_episodes(extras: dict[str, dict]) -> dict[str, int | float]:
@@ -23,7 +24,7 @@ def producers_episodes(extras: dict[str, dict]) -> dict[str, int | float]:
     return total
 
 
-def build_report(config: DemoConfig, result: dict, curve: Curve, *, initial: float,
+def build_report(config: RunConfig, result: dict, curve: Curve, *, initial: float,
                  final: float, held_out: int, warm_s: float, wall_s: float,
                  model_dir: Path) -> dict:
     trainer = last_metrics(config.out_dir / "metrics.jsonl")
@@ -43,6 +44,7 @@ def build_report(config: DemoConfig, result: dict, curve: Curve, *, initial: flo
         "steps": trainer.get("step", 0),
         "policy_version": int(trainer.get("trainer/policy_version", 0)),
         "wall_seconds": round(wall_s, 1), "rl_seconds": round(rl_s, 1),
+        "ended_by": result["ended_by"],
         "warm_start_seconds": round(warm_s, 1), "engine": config.engine,
         "engine_start_seconds": round(result["engine_start_s"], 1),
         "seconds_to_plus_25": reached,

@@ -23,17 +23,19 @@ def epoch_order(problems: list[Problem], epoch: int, *, shuffle: bool, seed: int
 
 
 async def feed(bus: Bus, run: str, problems: list[Problem], *, epochs: int = 1,
-               shuffle: bool = True, seed: int = 0, limit: int | None = None) -> int:
-    """Publish `epochs` passes over `problems` (at most `limit` tasks); returns how many."""
+               shuffle: bool = True, seed: int = 0, limit: int | None = None,
+               skip: int = 0) -> int:
+    """Publish the first `limit` tasks (default: all) of `epochs` passes over `problems`, less
+    the first `skip` of them (published by a feed that was cut short); returns how many were
+    published now."""
     topic = topic_name(run, "prompts")
     pending = []
-    for epoch in range(epochs):
-        for problem in epoch_order(problems, epoch, shuffle=shuffle, seed=seed):
-            if limit is not None and len(pending) >= limit:
-                break
-            task = PromptTask(task_id=problem.task_id, prompt=problem.prompt,
-                              reference=problem.answer, epoch=epoch, created_at=time.time())
-            pending.append(await bus.send(topic, encode(task), key=problem.task_id.encode()))
+    order = [(epoch, problem) for epoch in range(epochs)
+             for problem in epoch_order(problems, epoch, shuffle=shuffle, seed=seed)]
+    for epoch, problem in order[skip:limit]:
+        task = PromptTask(task_id=problem.task_id, prompt=problem.prompt,
+                          reference=problem.answer, epoch=epoch, created_at=time.time())
+        pending.append(await bus.send(topic, encode(task), key=problem.task_id.encode()))
     for delivery in pending:
         await delivery
     return len(pending)

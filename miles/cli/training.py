@@ -1,5 +1,5 @@
-"""`miles sft`, `feed`, `demo`, `algorithms`, `export-model`, and the commands configured like
-the daemons (`produce`, `train`, `evaluate`, `record`, `replay`: `--config`/`--set`/`--algo`)."""
+"""`miles run`, `sft`, `feed`, `demo`, `algorithms`, `export-model`, and the commands configured
+like the daemons (`produce`, `train`, `evaluate`, `record`, `replay`: `--config`/`--set`/`--algo`)."""
 
 from __future__ import annotations
 
@@ -72,6 +72,19 @@ def add_rl_commands(sub: argparse._SubParsersAction) -> None:
 
     sub.add_parser("algorithms", help="list the algorithm presets (--algo NAME)")
 
+    run = sub.add_parser("run", help="a whole run on one machine from a config file: feeder, "
+                                     "producers and trainer until max_steps, epochs or "
+                                     "max_seconds; resumable")
+    run.add_argument("config", type=Path, nargs="?", default=None,
+                     help="TOML or YAML file (examples/); settings not in it take their defaults")
+    run.add_argument("--resume", action="store_true",
+                     help="carry on the run in out_dir from its newest checkpoint (after a kill "
+                          "or a stop): no group trained twice or skipped")
+    run.add_argument("--algo", default=None, help="algorithm preset (miles algorithms); "
+                                                  "default grpo")
+    run.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                     help="override one setting, e.g. --set max_steps=100")
+
     demo = sub.add_parser("demo", help="the whole RL loop on one machine, with a report")
     demo.add_argument("--bus", default="embedded://", help="embedded:// or kafka://HOST:PORT")
     demo.add_argument("--out", type=Path, default=Path("runs/demo"))
@@ -87,7 +100,8 @@ def add_rl_commands(sub: argparse._SubParsersAction) -> None:
                       help="multi-turn: a built-in demo (multiplication: two-digit products "
                            "with the calculator, its warm start and limits) or an environment "
                            "for the producer (calculator, python, module:Name) with --prompts")
-    demo.add_argument("--rl-seconds", type=float, default=None)
+    demo.add_argument("--rl-seconds", type=float, default=None,
+                      help="seconds of RL (max_seconds; default 120)")
     demo.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
 
 
@@ -124,11 +138,24 @@ def _demo(args: argparse.Namespace) -> int:
 
     flags = {"bus": args.bus, "out_dir": args.out, "max_staleness": args.max_staleness,
              "model_dir": args.model_dir, "prompts": args.prompts,
-             "reward": args.reward, "rl_seconds": args.rl_seconds}
+             "reward": args.reward, "max_seconds": args.rl_seconds}
     overrides = [*env_overrides(args.env), *(f"{k}={v}" for k, v in flags.items()
                                              if v is not None), *args.set]
     return main_demo(load_with_preset(DemoConfig, preset_layers(), "learner.algorithm",
                                       algo=args.algo, overrides=overrides))
+
+
+def _run(args: argparse.Namespace) -> int:
+    from miles.config import load_with_preset
+    from miles.rl.algorithm import preset_layers
+    from miles.run import RunConfig, main_run
+
+    if args.config is not None and not args.config.is_file():
+        raise MilesError(f"config file {args.config} does not exist")
+    config = load_with_preset(RunConfig, preset_layers(), "learner.algorithm", algo=args.algo,
+                              path=args.config, overrides=args.set)
+    main_run(config, resume=args.resume)
+    return 0
 
 
 def _replay(argv: list[str]) -> int:
@@ -197,5 +224,5 @@ SETTINGS_COMMANDS = {"produce": _daemon("producers.rollout"), "train": _daemon("
                      "record": _daemon("consumers.recorder"), "replay": _replay}
 
 
-COMMANDS = {"sft": _sft, "feed": lambda args: asyncio.run(_feed(args)), "demo": _demo,
+COMMANDS = {"run": _run, "sft": _sft, "feed": lambda args: asyncio.run(_feed(args)), "demo": _demo,
             "algorithms": _algorithms, "export-model": _export_model}

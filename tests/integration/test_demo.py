@@ -18,11 +18,12 @@ from miles.demo import DemoConfig, main_demo
 
 def test_a_short_embedded_demo_writes_its_report_and_curves(model_dir, tmp_path):
     config = load_config(DemoConfig, env={}, overrides=[
-        f"model_dir={model_dir}", f"out_dir={tmp_path}", "rl_seconds=6", "eval_every_s=1",
+        f"model_dir={model_dir}", f"out_dir={tmp_path}", "max_seconds=6", "eval_every_s=1",
         "eval_problems=16", "groups_per_step=4", "lora.r=4", "lora.alpha=8"])
     assert main_demo(config) == 0
     report = json.loads((tmp_path / "report.json").read_text())
-    assert report["run"] == "demo" and report["model_dir"] == str(model_dir)
+    assert report["run"] == tmp_path.name and report["model_dir"] == str(model_dir)
+    assert report["ended_by"] == "max_seconds"
     assert report["steps"] >= 2 and report["policy_version"] == report["steps"]
     assert report["max_lag_seen"] <= report["max_staleness"] == 1
     assert report["held_out_problems"] == 1000 and 0 <= report["final_accuracy"] <= 1
@@ -36,7 +37,7 @@ def test_a_short_demo_with_an_environment_trains_episodes(bus, model_dir, tmp_pa
     """`--set env=module:Name` (the producer's environment) on both buses: the producer plays
     episodes (two turns each), the trainer trains them (samples with a loss mask) and held-out
     evaluation plays the same episodes greedily."""
-    overrides = [f"model_dir={model_dir}", f"out_dir={tmp_path}", "rl_seconds=8",
+    overrides = [f"model_dir={model_dir}", f"out_dir={tmp_path}", "max_seconds=8",
                  "eval_every_s=1", "eval_problems=8", "groups_per_step=4", "lora.r=4",
                  "lora.alpha=8", "env=tests.envs:SecondTry"]
     if bus == "kafka":
@@ -51,7 +52,7 @@ def test_a_short_demo_with_an_environment_trains_episodes(bus, model_dir, tmp_pa
     lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert lines and all(line["trainer/episode_samples"] > 0 for line in lines)
     if bus == "kafka":
-        settings = (tmp_path / "producer.yaml").read_text()
+        settings = (tmp_path / "producer-0.yaml").read_text()
         assert "env: tests.envs:SecondTry" in settings and "max_total_tokens" in settings
 
 

@@ -20,7 +20,7 @@ from tests.vllm.conftest import MAX_MODEL_LEN, TIER  # noqa: E402
 def test_a_short_demo_on_the_in_process_vllm_engine(bus, kafka_broker, vllm_model_dir,
                                                     tmp_path):
     s = TIER.settings
-    overrides = [f"model_dir={vllm_model_dir}", f"out_dir={tmp_path}", "rl_seconds=15",
+    overrides = [f"model_dir={vllm_model_dir}", f"out_dir={tmp_path}", "max_seconds=15",
                  "eval_every_s=2", "eval_problems=16", "groups_per_step=4", "lora.r=4",
                  "lora.alpha=8", "engine=vllm", "vllm.enforce_eager=true",
                  f"vllm.dtype={s.dtype}", f"vllm.max_model_len={MAX_MODEL_LEN}",
@@ -34,7 +34,7 @@ def test_a_short_demo_on_the_in_process_vllm_engine(bus, kafka_broker, vllm_mode
     assert report["steps"] >= 2 and report["max_lag_seen"] <= 1
     assert report["curve"] and max(p["policy_version"] for p in report["curve"]) >= 1
     if bus == "kafka":
-        log = (tmp_path / "producer.log").read_text()
+        log = (tmp_path / "producer-0.log").read_text()
         assert "loaded policy version 2" in log, log[-3000:]
 
 
@@ -42,7 +42,7 @@ def test_a_short_demo_on_the_in_process_vllm_engine(bus, kafka_broker, vllm_mode
 def test_a_short_demo_on_a_running_server(vllm_server, vllm_model_dir, tmp_path):
     """`miles demo --set engine=vllm-server --set vllm_server.base_url=URL`: the demo's model is
     the one the server serves; each version reaches the server as an adapter."""
-    overrides = [f"model_dir={vllm_model_dir}", f"out_dir={tmp_path}", "rl_seconds=10",
+    overrides = [f"model_dir={vllm_model_dir}", f"out_dir={tmp_path}", "max_seconds=10",
                  "eval_every_s=2", "eval_problems=16", "groups_per_step=4", "lora.r=4",
                  "lora.alpha=8", "engine=vllm-server", f"vllm_server.base_url={vllm_server.url}",
                  "vllm_server.adapter_prefix=demo-test"]

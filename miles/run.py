@@ -1,0 +1,390 @@
+"""`miles run CONFIG`: the whole loop on one machine, bounded by steps, epochs or seconds, and
+resumable after a kill (`miles.train` is the same run from Python; `miles demo` is a preset).
+
+Steps: the model (the user's `model_dir`, or else the built tiny model with its supervised warm
+start, cached under ~/.cache/miles), held-out greedy accuracy, the training prompts fed
+(`epochs` passes), producers and trainer run against each other until the first bound is met,
+held-out accuracy again, `report.json`, `curves.png` and the policy exported to `out_dir/policy`.
+The trainer signs its versions and heartbeats with the key pair in `out_dir/keys` (made if
+missing); producers and the evaluator verify them and load weights only from `out_dir/weights`.
+
+Bounds, whichever comes first: `max_steps` optimizer steps, `max_seconds` of RL, or the data:
+once every fed prompt is committed by the producers and every trajectory group is judged by the
+trainer (trained, dropped or dead-lettered; `miles.run_watch`), nothing more can come.
+
+Embedded bus (default): producers and trainer run in this process on one event loop, each in its
+own worker thread, on a durable embedded bus in `out_dir/bus` (`embedded://PATH`). Kafka bus:
+they are separate processes (`python -m producers.rollout`, `python -m consumers.trainer`, under
+`torchrun` for `trainer_ranks > 1`), which die with this one; this process feeds and evaluates.
+Either way, `--resume` (`resume=True`) carries on a killed or stopped run from the trainer's
+newest checkpoint, the producers' committed prompts and the records on the bus: no group is
+trained twice or skipped (`out_dir/run.json` names the run and what was fed).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import logging
+import re
+import shutil
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+
+from miles.bus import open_bus
+from miles.bus.security import KafkaSecurity
+from miles.config import log_config
+from miles.engines.base import LoraSettings, RolloutEngine
+from miles.engines.hf import HFEngine
+from miles.engines.vllm_engine import VLLMEngineSettings
+from miles.engines.vllm_server import VLLMServerSettings
+from miles.envs import EnvironmentFactory, load_environment
+from miles.episodes import EpisodeSettings
+from miles.errors import ConfigError
+from miles.evaluation import EpisodeEval, Evaluator
+from miles.feeder import feed
+from miles.protocol.topics import run_topics, topic_name
+from miles.rl.sampling import SamplingParams
+from miles.rollout import RolloutConfig, RolloutWorker, episode_extras
+from miles.run_daemons import daemon_settings, run_processes
+from miles.run_watch import RunWatch
+from miles.service import configure_logging, run_service
+from miles.sft import SFTConfig, supervised_warm_start, teacher_forced_probe
+from miles.tasks.arithmetic import Problem
+from miles.tasks.datasets import BUILT_IN, DatasetFormat, load_problems
+from miles.tasks.multiplication import warm_start_problems
+from miles.tasks.rewards import Scorer, resolve_reward
+from miles.tasks.tiny_model import build_tiny_model
+from miles.trainer.learner import Learner, LearnerConfig
+from miles.trainer.loop import LoopConfig, TrainerLoop
+from miles.trainer.runner import StepRunner
+from miles.weights.following import FollowConfig
+from miles.weights.signing import PUBLIC_KEY_FILE, ensure_key_pair
+from miles.weights.store import base_model_id
+from producers.rollout import ENGINES, build_engine
+
+log = logging.getLogger(__name__)
+CACHE = Path.home() / ".cache" / "miles" / "demo"
+RUN_FILE = "run.json"
+WARM_STARTS: dict[tuple[str, str], Callable[[list[Problem]], list[Problem]]] = {
+    ("multiplication", "calculator"): warm_start_problems,
+}
+"""(task, env) -> the supervised pairs that teach the environment's format to the task's
+training problems; any other pair is warmed up on the problems' answers (single-turn)."""
+PROBE_PROBLEMS = 200  # training problems held back from the SFT to measure its success
+CHAT_TASKS = ("multiplication",)  # tasks whose episodes need the tag characters (chat tokenizer)
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunConfig:
+    bus: str = "embedded://"  # embedded:// (durable, in out_dir/bus) or kafka://HOST:PORT
+    kafka: KafkaSecurity = field(default_factory=KafkaSecurity)  # TLS/SASL for every process
+    out_dir: Path = Path("runs/run")
+    run: str = ""  # topics are miles.RUN.*; "": the out_dir's name (and a time on Kafka)
+    model_dir: Path | None = None  # the checkpoint to train (default: the built tiny model)
+    prompts: str = "arithmetic"  # a built-in task, .jsonl, .parquet or a saved dataset folder
+    dataset: DatasetFormat = field(default_factory=DatasetFormat)  # the prompts' field names
+    env: str = ""  # the producer's environment (calculator, python, module:Name); "": single-turn
+    episodes: EpisodeSettings = field(default_factory=EpisodeSettings)  # limits when env is set
+    eval_prompts: str | None = None  # held-out problems (default: `prompts`' test split)
+    reward: str = "exact_match"  # exact_match, math, format[:REGEX], rm:PATH or module:function
+    reward_timeout_s: float = 10.0  # per reward call; a timed-out sample gets 0.0 and an error
+    max_steps: int = 0  # optimizer steps in all (0: no bound)
+    epochs: int = 1  # passes over the training prompts
+    max_seconds: float = 0.0  # seconds of RL (0: no bound)
+    engine: str = "hf"  # the producers': hf, vllm (in process) or vllm-server (a running server)
+    vllm: VLLMEngineSettings = field(default_factory=VLLMEngineSettings)  # engine vllm
+    vllm_server: VLLMServerSettings = field(default_factory=VLLMServerSettings)  # vllm-server
+    producers: int = 1  # rollout producers (each with its own engine)
+    trainer_ranks: int = 1  # Kafka: trainer processes under torchrun (FSDP2 ranks)
+    max_in_flight: int = 0  # > 0: producers stream this many groups (docs/streaming.md)
+    weight_update: str = "continue"  # streaming: continue, finish or restart running samples
+    fanout: bool = False  # Kafka: also run the evaluator and recorder daemons (fan-out consumers)
+    max_staleness: int = 1
+    eval_every_s: float = 30.0  # held-out evaluation at most this often while training
+    eval_problems: int = 500  # problems in each periodic evaluation (the final one uses all)
+    sft: SFTConfig = field(default_factory=SFTConfig)  # the built-in warm start's
+    lora: LoraSettings | None = field(  # None: full fine-tuning (full weights hot-loaded)
+        default_factory=lambda: LoraSettings(r=16, alpha=32))
+    sampling: SamplingParams = field(default_factory=lambda: SamplingParams(
+        n=8, temperature=1.0, max_new_tokens=5))
+    learner: LearnerConfig = field(default_factory=lambda: LearnerConfig(lr=1e-3))
+    groups_per_step: int = 32
+    prompts_per_batch: int = 0  # the producer's batch (0: groups_per_step, one step's worth)
+    checkpoint_every: int = 10  # steps between checkpoints (0: only at the end)
+    seed: int = 0  # the prompts' shuffle
+    export_policy: bool = True  # write the final policy to out_dir/policy (merged LoRA)
+
+    def __post_init__(self) -> None:
+        for name in ("max_steps", "prompts_per_batch", "checkpoint_every"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
+        for name in ("epochs", "producers", "trainer_ranks"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_seconds < 0:
+            raise ConfigError(f"max_seconds must be >= 0, got {self.max_seconds}")
+        if self.engine not in ENGINES:
+            raise ConfigError(f"engine must be one of {', '.join(ENGINES)}, got {self.engine!r}")
+        if self.trainer_ranks > 1 and self.embedded:
+            raise ConfigError("trainer_ranks > 1 needs the Kafka bus (bus = \"kafka://...\"): "
+                              "ranks are processes, the embedded bus lives in one")
+        self.episodes.check_engine(self.engine)
+        self.rollout().check_streaming(self.engine, self.env)
+
+    @property
+    def embedded(self) -> bool:
+        return self.bus.startswith("embedded")
+
+    def rollout(self, producer: int = 0) -> RolloutConfig:
+        return RolloutConfig(run=self.run, producer_id=f"producer-{producer}",
+                             sampling=self.sampling,
+                             prompts_per_batch=self.prompts_per_batch or self.groups_per_step,
+                             max_in_flight=self.max_in_flight, weight_update=self.weight_update,
+                             max_staleness=self.max_staleness, seed=self.seed + producer,
+                             groups_per_step=self.groups_per_step, weights=self.weights())
+
+    def weights(self) -> FollowConfig:
+        """Where the producers and the evaluator find the trainer's weights, and the public key
+        of the pair the trainer signs with (its default, out_dir/keys, made by `train_run`)."""
+        return FollowConfig(store=self.out_dir / "weights",
+                            public_key=self.out_dir / "keys" / PUBLIC_KEY_FILE)
+
+    def loop(self) -> LoopConfig:
+        return LoopConfig(run=self.run, out_dir=self.out_dir, groups_per_step=self.groups_per_step,
+                          max_staleness=self.max_staleness, max_steps=self.max_steps,
+                          checkpoint_every=self.checkpoint_every)
+
+    def problems(self, split: str) -> list[Problem]:
+        source = self.prompts if split == "train" else (self.eval_prompts or self.prompts)
+        return load_problems(source, split, fmt=self.dataset)
+
+
+def warm_start(config: RunConfig, should_stop: Callable[[], bool] = lambda: False) -> Path:
+    """The model RL starts from: the user's, or the cached tiny model after `miles sft` on the
+    task's warm-start pairs (`WARM_STARTS`), cached by the SFT settings, task and format. With
+    `sft.stop_at_success` the first `PROBE_PROBLEMS` training problems are held back from the
+    SFT and probed (`teacher_forced_probe`: every pair of a problem reproduced) until that
+    share of them succeeds. Blocking; StoppedError once `should_stop()`."""
+    if config.model_dir is not None:
+        return Path(config.model_dir)
+    task = config.prompts if config.prompts in BUILT_IN else "arithmetic"
+    pairs = WARM_STARTS.get((task, config.env))
+    chat = task in CHAT_TASKS
+    keyed = {**asdict(config.sft), "task": task}
+    if pairs is not None or chat:  # the arithmetic demos keep their cache key
+        keyed |= {"env": config.env if pairs is not None else "", "chat": chat}
+    key = hashlib.sha256(json.dumps(keyed, sort_keys=True).encode()).hexdigest()[:12]
+    sft_dir = CACHE / f"sft-{key}"
+    if (sft_dir / "config.json").exists():
+        return sft_dir
+    base = build_tiny_model(CACHE / ("base-chat" if chat else "base"), chat=chat)
+    log.info("building the supervised warm start in %s", sft_dir)
+    examples = pairs or (lambda problems: problems)
+    problems = load_problems(task, "train")
+    probe = None
+    if config.sft.stop_at_success > 0:
+        probe = teacher_forced_probe([examples([p]) for p in problems[:PROBE_PROBLEMS]])
+        problems = problems[PROBE_PROBLEMS:]
+    staging = sft_dir.with_name(sft_dir.name + ".tmp")
+    shutil.rmtree(staging, ignore_errors=True)
+    supervised_warm_start(base, staging, examples(problems), config.sft, probe=probe,
+                          should_stop=should_stop)
+    staging.rename(sft_dir)
+    return sft_dir
+
+
+def environment(config: RunConfig, scorer: Scorer) -> EnvironmentFactory | None:
+    """The run's environment factory (None: single-turn)."""
+    return load_environment(config.env, reward=scorer) if config.env else None
+
+
+def episode_eval(config: RunConfig, scorer: Scorer) -> EpisodeEval | None:
+    """Held-out evaluation through the run's environment, as the producer plays it."""
+    factory = environment(config, scorer)
+    if factory is None:
+        return None
+    return EpisodeEval(factory=factory, settings=config.episodes,
+                       turn_tokens=config.sampling.max_new_tokens)
+
+
+def embedded_engine(config: RunConfig, model_dir: Path) -> RolloutEngine:
+    """An embedded producer's engine. The Hugging Face one is built here, not by the
+    producer's builder, which would set torch's threads for the trainer in this process too."""
+    if config.engine == "hf":
+        return HFEngine(model_dir, lora=config.lora)
+    return build_engine(daemon_settings(config, model_dir)["producer"])
+
+
+async def run_embedded(config: RunConfig, model_dir: Path, evaluator: Evaluator,
+                       stop: asyncio.Event) -> dict:
+    """Producers and trainer in this process, until a bound is met (the clock starts once the
+    producers' engines are up)."""
+    bus = evaluator.bus
+    began = time.monotonic()
+    engines = [embedded_engine(config, model_dir) for _ in range(config.producers)]
+    engine_start_s = time.monotonic() - began
+    workers = [RolloutWorker(bus, engine, evaluator.scorer, config.rollout(i),
+                             env=environment(config, evaluator.scorer), episodes=config.episodes)
+               for i, engine in enumerate(engines)]
+    learner = Learner(model_dir, config.learner, lora=config.lora)
+    trainer = TrainerLoop(bus, StepRunner(learner, config.loop(),
+                                          base_model=base_model_id(model_dir)))
+    started = time.monotonic()
+    try:
+        async with RunWatch(bus, config.run, config.weights().public_key) as watch, \
+                asyncio.TaskGroup() as tasks:
+            for worker in workers:
+                tasks.create_task(worker.run(stop))
+            trained = tasks.create_task(trainer.run(stop))
+            tasks.create_task(evaluator.follow(stop, started))
+            ended = await watch.until_done(stop, config.max_seconds, trained.done)
+            stop.set()
+    finally:
+        for engine in engines:
+            engine.close()
+    counts: Counter = Counter()
+    for worker in workers:
+        counts.update(worker.counts)
+    return {"rl_seconds": time.monotonic() - started, "engine_start_s": engine_start_s,
+            "ended_by": ended, "generate_s": counts["producer/generate_s"],
+            "episodes": episode_extras(counts) if config.env else {}}
+
+
+def bus_url(config: RunConfig) -> str:
+    """The embedded bus is durable, in out_dir/bus, so a killed run can resume."""
+    return f"embedded://{config.out_dir.resolve() / 'bus'}" if config.embedded else config.bus
+
+
+def begin(config: RunConfig, *, resume: bool, fresh: bool) -> dict:
+    """The run's record in `out_dir/run.json`: a new one (refused where a run already is, unless
+    `fresh` wipes it, as the demo does), or with `resume` the killed run's."""
+    path = config.out_dir / RUN_FILE
+    if resume:
+        if not path.exists():
+            raise ConfigError(f"--resume: {config.out_dir} holds no run to resume ({RUN_FILE} "
+                              "is missing); start one without --resume")
+        record = json.loads(path.read_text())
+        if record["bus"] != bus_url(config) or record["run"] != config.run:
+            raise ConfigError(f"--resume: {config.out_dir} holds run {record['run']!r} on "
+                              f"{record['bus']}, not {config.run!r} on {bus_url(config)}")
+        return record
+    if path.exists() and not fresh:
+        raise ConfigError(f"{config.out_dir} already holds run {json.loads(path.read_text())['run']!r}: "
+                          "continue it with --resume, or choose another out_dir")
+    fresh_out_dir(config.out_dir)
+    record = {"run": config.run, "bus": bus_url(config), "fed": 0, "initial_accuracy": None}
+    path.write_text(json.dumps(record))
+    return record
+
+
+def fresh_out_dir(out_dir: Path) -> None:
+    """Drop what an earlier run left in `out_dir`."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for name in ("checkpoints", "weights", "bus", "policy"):
+        shutil.rmtree(out_dir / name, ignore_errors=True)
+    for name in ("metrics.jsonl", "ledger.jsonl", "report.json", "curves.png",
+                 "evaluation.jsonl", RUN_FILE):
+        (out_dir / name).unlink(missing_ok=True)
+
+
+def save_record(config: RunConfig, record: dict) -> None:
+    (config.out_dir / RUN_FILE).write_text(json.dumps(record))
+
+
+async def feed_once(bus, config: RunConfig, record: dict) -> None:
+    """Feed the training prompts; after a kill, only those the killed run had not yet fed (the
+    feed is deterministic: `epochs` passes shuffled with `seed`)."""
+    problems = config.problems("train")
+    total = len(problems) * config.epochs
+    if record["fed"] < total:
+        topic = topic_name(config.run, "prompts")
+        on_bus = sum(end for _, end in (await bus.topic_offsets([topic])).values())
+        await feed(bus, config.run, problems, epochs=config.epochs, seed=config.seed,
+                   skip=on_bus)
+        record["fed"] = total
+        save_record(config, record)
+
+
+async def train_run(config: RunConfig, stop: asyncio.Event, *, resume: bool = False,
+                    fresh: bool = False) -> dict:
+    """Warm start, evaluate, feed, train until a bound or `stop`, evaluate; the result (the
+    report's fields)."""
+    from miles.demo_report import build_report
+
+    began = time.monotonic()
+    model_dir = await asyncio.to_thread(warm_start, config, stop.is_set)  # signals heard
+    warm_s = time.monotonic() - began
+    held_out = config.problems("test")
+    record = begin(config, resume=resume, fresh=fresh)
+    ensure_key_pair(config.out_dir / "keys")  # the trainer's default pair, before any follower
+    async with open_bus(bus_url(config), config.kafka) as bus:
+        await bus.create_topics(run_topics(config.run, prompt_partitions=1,
+                                           trajectory_partitions=1))
+        await feed_once(bus, config, record)
+        scorer = resolve_reward(config.reward, timeout_s=config.reward_timeout_s)
+        evaluator = Evaluator(bus, config.run, model_dir, config.lora,
+                              held_out[:config.eval_problems], every_s=config.eval_every_s,
+                              scorer=scorer, weights=config.weights(),
+                              episodes=episode_eval(config, scorer))
+        async with evaluator:
+            if record["initial_accuracy"] is None:
+                record["initial_accuracy"] = await evaluator.measure(held_out)
+                save_record(config, record)
+            run = run_embedded if config.embedded else run_processes
+            result = await run(config, model_dir, evaluator, stop)
+            await evaluator.load_final()
+            final = await evaluator.measure(held_out)
+    return build_report(config, result, evaluator.curve, initial=record["initial_accuracy"],
+                        final=final, held_out=len(held_out), warm_s=warm_s,
+                        wall_s=time.monotonic() - began, model_dir=model_dir)
+
+
+def with_run_name(config: RunConfig, *, resume: bool = False) -> RunConfig:
+    """The run's topic name: `run` if set, else the resumed run's, else the out_dir's name (on
+    Kafka, whose topics outlive a run, with the UTC time, so a new run starts clean)."""
+    if config.run:
+        return config
+    path = config.out_dir / RUN_FILE
+    if resume and path.exists():
+        return replace(config, run=json.loads(path.read_text())["run"])
+    name = re.sub(r"[^A-Za-z0-9._-]", "-", config.out_dir.resolve().name) or "run"
+    if not config.embedded:
+        name += time.strftime("-%Y%m%d-%H%M%S", time.gmtime())
+    return replace(config, run=name)
+
+
+def finish(config: RunConfig, report: dict) -> dict:
+    """Write the report and curves; export the policy (`export_policy`) once a version was
+    trained."""
+    from miles.demo_report import plot_curves
+    from miles.weights.export import export_model
+
+    if config.export_policy and report["policy_version"] > 0:
+        policy = config.out_dir / "policy"
+        shutil.rmtree(policy, ignore_errors=True)
+        export_model(Path(report["model_dir"]), config.out_dir / "weights", policy)
+        report["policy_dir"] = str(policy)
+    (config.out_dir / "report.json").write_text(json.dumps(report, indent=2))
+    plot_curves(report, config.out_dir / "metrics.jsonl", config.out_dir / "curves.png")
+    return report
+
+
+def main_run(config: RunConfig, *, resume: bool = False, fresh: bool = False) -> dict:
+    """`miles run` (and `miles demo`, `fresh`): the run in this process, until a bound, the
+    data's end or a signal; the report, also written to out_dir/report.json."""
+    configure_logging()
+    config = with_run_name(config, resume=resume)
+    log_config(config)
+    report = run_service(lambda stop: train_run(config, stop, resume=resume, fresh=fresh))
+    finish(config, report)
+    gain = report["final_accuracy"] - report["initial_accuracy"]
+    print(f"held-out accuracy {report['initial_accuracy']:.3f} -> {report['final_accuracy']:.3f} "
+          f"({gain * 100:+.1f} points) in {report['steps']} steps, "
+          f"{report['rl_seconds']:.0f} s of RL ({report['ended_by']}), "
+          f"{report['wall_seconds']:.0f} s in all; report: {config.out_dir / 'report.json'}")
+    return report

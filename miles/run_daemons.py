@@ -1,0 +1,160 @@
+"""A run's daemons on Kafka (`miles run`, `miles demo`): their settings, written as each reads
+them, and the processes, which die with the process that started them.
+
+Each daemon gets the run's `kafka` section (TLS/SASL, or `MILES_KAFKA__*`), so every process of
+a run connects as the same user (a deployment gives each role its own, docs/security.md); the
+password stays in the environment or its file.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import json
+import logging
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import yaml
+
+from consumers.trainer import TrainerSettings
+from miles.demo_report import producers_episodes
+from miles.errors import MilesError
+from miles.run_watch import RunWatch
+from producers.rollout import ProducerSettings
+
+if TYPE_CHECKING:
+    from miles.evaluation import Evaluator
+    from miles.run import RunConfig
+
+log = logging.getLogger(__name__)
+PR_SET_PDEATHSIG = 1
+
+
+def producer_settings(config: RunConfig, model_dir: Path, index: int = 0) -> ProducerSettings:
+    return ProducerSettings(bus=config.bus, kafka=config.kafka, model_dir=model_dir,
+                            lora=config.lora, reward=config.reward, torch_threads=1,
+                            reward_timeout_s=config.reward_timeout_s, engine=config.engine,
+                            vllm=config.vllm, vllm_server=config.vllm_server,
+                            rollout=config.rollout(index), env=config.env,
+                            episodes=config.episodes)
+
+
+def daemon_settings(config: RunConfig, model_dir: Path) -> dict:
+    """The daemons' settings for this run, by name: producer-0..N-1, trainer, evaluator,
+    recorder."""
+    from consumers.evaluator import EvaluatorSettings
+    from consumers.recorder import RecorderSettings
+
+    common = {"bus": config.bus, "kafka": config.kafka, "model_dir": model_dir,
+              "lora": config.lora}
+    producers = {f"producer-{i}": producer_settings(config, model_dir, i)
+                 for i in range(config.producers)}
+    return {
+        **producers,
+        "trainer": TrainerSettings(**common, torch_threads=1, learner=config.learner,
+                                   loop=config.loop()),
+        "evaluator": EvaluatorSettings(**common, run=config.run, prompts=config.prompts,
+                                       reward=config.reward, every_s=config.eval_every_s,
+                                       out=config.out_dir / "evaluation.jsonl",
+                                       weights=config.weights(), env=config.env,
+                                       episodes=config.episodes,
+                                       turn_tokens=config.sampling.max_new_tokens),
+        "recorder": RecorderSettings(bus=config.bus, kafka=config.kafka, run=config.run,
+                                     out_dir=config.out_dir / "archive", file_seconds=30.0),
+    }
+
+
+def write_settings(settings, path: Path) -> Path:
+    plain = json.loads(json.dumps(asdict(settings), default=str))
+    path.write_text(yaml.safe_dump(plain, sort_keys=False))
+    return path
+
+
+def _die_with_parent() -> None:
+    """In the child before it runs: SIGKILL when the parent dies (Linux), so a killed run
+    leaves no daemon behind to race the resumed one."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    except (OSError, AttributeError):
+        pass
+
+
+def command(module: str, settings: Path, ranks: int = 1) -> list[str]:
+    """The daemon's command line; the trainer under torchrun for several ranks."""
+    if ranks > 1:
+        return [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                f"--nproc-per-node={ranks}", "-m", module, "--config", str(settings)]
+    return [sys.executable, "-m", module, "--config", str(settings)]
+
+
+def start_daemons(config: RunConfig, model_dir: Path) -> dict[str, subprocess.Popen]:
+    all_settings = daemon_settings(config, model_dir)
+    names = ["trainer", *(f"producer-{i}" for i in range(config.producers))]
+    if config.fanout:
+        names += ["evaluator", "recorder"]
+    processes = {}
+    for name in names:
+        module = {"trainer": "consumers.trainer", "evaluator": "consumers.evaluator",
+                  "recorder": "consumers.recorder"}.get(name, "producers.rollout")
+        path = write_settings(all_settings[name], config.out_dir / f"{name}.yaml")
+        log_file = open(config.out_dir / f"{name}.log", "a")
+        ranks = config.trainer_ranks if name == "trainer" else 1
+        processes[name] = subprocess.Popen(command(module, path, ranks), stdout=log_file,
+                                           stderr=subprocess.STDOUT,
+                                           preexec_fn=_die_with_parent)
+    return processes
+
+
+def exited(processes: dict[str, subprocess.Popen]) -> str | None:
+    """The first daemon that has exited, as "NAME exited with code N"; None while all run."""
+    for name, process in processes.items():
+        if process.poll() is not None:
+            return f"{name} exited with code {process.returncode}"
+    return None
+
+
+async def run_processes(config: RunConfig, model_dir: Path, evaluator: Evaluator,
+                        stop: asyncio.Event) -> dict:
+    """Producers and trainer (and with `fanout` the evaluator and recorder daemons) as separate
+    processes on Kafka, until a bound is met; the clock starts when the trainer has announced
+    a version and a producer, its engine built, has sent its first heartbeat. A daemon that
+    exits before then, or a producer that exits at all, fails the run (see its log)."""
+    processes = start_daemons(config, model_dir)
+    try:
+        async with RunWatch(evaluator.bus, config.run, config.weights().public_key) as watch:
+            spawned = time.monotonic()
+            await watch.until_started(evaluator, stop, lambda: exited(processes))
+            started = time.monotonic()
+            trainer_done = lambda: processes["trainer"].poll() is not None  # noqa: E731
+            async with asyncio.TaskGroup() as tasks:
+                tasks.create_task(evaluator.follow(stop, started))
+                ended = await watch.until_done(stop, config.max_seconds, trainer_done,
+                                               failed=lambda: _failed_producer(processes))
+                stop.set()
+            rl_seconds = time.monotonic() - started
+    finally:
+        await _stop_all(processes)
+    if processes["trainer"].returncode not in (0, -signal.SIGTERM):
+        raise MilesError(f"the trainer exited with code {processes['trainer'].returncode}; "
+                         f"see {config.out_dir / 'trainer.log'}")
+    return {"rl_seconds": rl_seconds, "engine_start_s": started - spawned, "ended_by": ended,
+            "generate_s": sum(evaluator.producer_generate_s.values()),
+            "episodes": producers_episodes(evaluator.producer_extra) if config.env else {}}
+
+
+def _failed_producer(processes: dict[str, subprocess.Popen]) -> str | None:
+    return exited({n: p for n, p in processes.items() if n.startswith("producer")})
+
+
+async def _stop_all(processes: dict[str, subprocess.Popen]) -> None:
+    for process in processes.values():
+        if process.poll() is None:
+            process.terminate()
+    for process in processes.values():
+        await asyncio.to_thread(process.wait, 120)
