@@ -323,7 +323,7 @@ async def train_run(config: RunConfig, stop: asyncio.Event, *, resume: bool = Fa
     record = begin(config, resume=resume, fresh=fresh)
     ensure_key_pair(config.out_dir / "keys")  # the trainer's default pair, before any follower
     async with open_bus(bus_url(config), config.kafka) as bus:
-        await bus.create_topics(run_topics(config.run, prompt_partitions=1,
+        await bus.create_topics(run_topics(config.run, prompt_partitions=config.producers,
                                            trajectory_partitions=1))
         await feed_once(bus, config, record)
         scorer = resolve_reward(config.reward, timeout_s=config.reward_timeout_s)

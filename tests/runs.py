@@ -7,10 +7,11 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from miles.bus import open_bus
-from miles.protocol import TrajectoryGroup, decode
+from miles.protocol import DeadLetter, TrajectoryGroup, decode
 from miles.protocol.topics import topic_name
 from miles.tasks.datasets import load_problems
 from tests.accounting import ledger
@@ -45,25 +46,43 @@ def start_run(config: Path, log: Path, *args: str) -> subprocess.Popen:
                             stderr=subprocess.STDOUT, env={**os.environ, "PYTHONPATH": os.getcwd()})
 
 
-async def published_groups(bus_url: str, run: str) -> list[str]:
-    """The group ids on the run's trajectories topic (one partition), in offset order."""
-    topic = topic_name(run, "trajectories")
+async def _read_topic(bus, topic: str) -> list:
+    end = sum(end for _, end in (await bus.topic_offsets([topic])).values())
+    records = []
+    async with bus.consumer([topic], group_id=f"test-reader-{time.time_ns()}") as consumer:
+        deadline = time.monotonic() + 60
+        while len(records) < end and time.monotonic() < deadline:
+            records.extend(await consumer.poll(timeout_s=1))
+    return sorted(records, key=lambda r: (r.partition, r.offset))
+
+
+async def published_groups(bus_url: str, run: str) -> tuple[list[str], dict[str, str]]:
+    """The group ids on the run's trajectories topic (one partition), in offset order, and the
+    reasons of those the trainer dead-lettered, by group id."""
     async with open_bus(bus_url) as bus:
-        async with bus.consumer([topic], group_id="test-reader") as consumer:
-            records = []
-            while batch := await consumer.poll(timeout_s=3):
-                records.extend(batch)
-    records.sort(key=lambda r: r.offset)
-    return [decode(r.value, TrajectoryGroup).group_id for r in records]
+        published = [decode(r.value, TrajectoryGroup).group_id
+                     for r in await _read_topic(bus, topic_name(run, "trajectories"))]
+        letters = [decode(r.value, DeadLetter) for r in await _read_topic(bus, topic_name(run, "dlq"))]
+    trajectories = topic_name(run, "trajectories")
+    lettered = {published[d.source_offset]: d.reason for d in letters
+                if d.source_topic == trajectories and d.consumer == "trainer"}
+    return published, lettered
 
 
-def assert_judged_once(out_dir: Path, published: list[str]) -> list[dict]:
-    """Every step once; no group judged (trained, dropped, filtered, failed) twice; the judged
-    groups a prefix of the published ones (none skipped). Returns the ledger."""
+def assert_judged_once(out_dir: Path, published: list[str],
+                       lettered: dict[str, str]) -> list[dict]:
+    """Every step once; no group in the ledger (trained, dropped, filtered, failed) twice; the
+    ledger's groups and those the trainer's intake dead-lettered (a killed run's, perhaps read
+    again after the resume) a prefix of the published ones: none skipped. Returns the ledger."""
     entries = ledger(out_dir)
     assert [e["step"] for e in entries] == list(range(1, len(entries) + 1))
-    judged = [g for e in entries for kind in ("trained", "dropped", "filtered", "failed")
-              for g in e[kind]]
-    assert len(judged) == len(set(judged)), "a group was judged twice"
-    assert set(judged) == set(published[:len(judged)]), "a group was skipped"
+    ledgered = [g for e in entries for kind in ("trained", "dropped", "filtered", "failed")
+                for g in e[kind]]
+    assert len(ledgered) == len(set(ledgered)), "a group was judged twice"
+    judged = set(ledgered) | set(lettered)
+    head = set(published[:len(judged)])
+    assert judged == head, (
+        "a group was skipped: judged but later on the topic "
+        f"{[(published.index(g) if g in published else None, g) for g in judged - head]}"
+        f", on the topic but not judged {[(published.index(g), g) for g in head - judged]}")
     return entries

@@ -1,0 +1,87 @@
+"""`miles run CONFIG` on the embedded bus: the bounds (max_steps, the data's end), the refusals
+at the door, and resuming after `kill -9` with no group judged twice or skipped."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import time
+
+import pytest
+from transformers import AutoModelForCausalLM
+
+from tests.accounting import ledger
+from tests.runs import (assert_judged_once, miles_command, published_groups, start_run,
+                        write_config, write_dataset)
+
+
+def run_cli(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
+    return subprocess.run(miles_command(*args), capture_output=True, text=True, timeout=timeout)
+
+
+def test_a_run_stops_at_max_steps_and_exports_its_policy(model_dir, tmp_path):
+    dataset = write_dataset(tmp_path / "data.jsonl", 64)
+    config = write_config(tmp_path / "run.toml", model_dir, tmp_path / "out", dataset,
+                          max_steps=3, export_policy=True)
+    done = run_cli("run", str(config))
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    report = json.loads((tmp_path / "out" / "report.json").read_text())
+    assert (report["ended_by"], report["steps"], report["policy_version"]) == ("max_steps", 3, 3)
+    assert report["run"] == "out" and len(ledger(tmp_path / "out")) == 3
+    AutoModelForCausalLM.from_pretrained(report["policy_dir"])  # a plain HF checkpoint
+
+
+def test_a_run_ends_when_its_epochs_are_used_up(model_dir, tmp_path):
+    """2 epochs over 10 prompts: 20 groups, 4 per step; the run ends by itself once all are
+    judged (5 steps' worth at most; a step that can no longer fill up is not trained)."""
+    dataset = write_dataset(tmp_path / "data.jsonl", 10)
+    config = write_config(tmp_path / "run.toml", model_dir, tmp_path / "out", dataset,
+                          epochs=2, max_staleness=4)
+    done = run_cli("run", str(config))
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    report = json.loads((tmp_path / "out" / "report.json").read_text())
+    assert report["ended_by"] == "data"
+    entries = ledger(tmp_path / "out")
+    judged = [g for e in entries for k in ("trained", "dropped", "filtered") for g in e[k]]
+    assert 16 <= len(judged) <= 20 and len(set(judged)) == len(judged)
+    epochs = {g.split("/")[1] for g in judged}
+    assert epochs == {"e0", "e1"}
+
+
+def test_the_door_refuses_a_second_run_in_the_same_out_dir_and_a_resume_of_nothing(
+        model_dir, tmp_path):
+    dataset = write_dataset(tmp_path / "data.jsonl", 8)
+    config = write_config(tmp_path / "run.toml", model_dir, tmp_path / "out", dataset)
+    resumed = run_cli("run", str(config), "--resume")
+    assert resumed.returncode == 2 and "holds no run to resume" in resumed.stderr
+    (tmp_path / "out").mkdir(exist_ok=True)
+    (tmp_path / "out" / "run.json").write_text(json.dumps({"run": "out", "bus": "x"}))
+    again = run_cli("run", str(config))
+    assert again.returncode == 2 and "--resume" in again.stderr
+
+
+@pytest.mark.slow
+def test_a_killed_run_resumes_with_every_group_judged_once(model_dir, tmp_path):
+    dataset = write_dataset(tmp_path / "data.jsonl", 200)
+    out = tmp_path / "out"
+    config = write_config(tmp_path / "run.toml", model_dir, out, dataset, max_steps=8,
+                          checkpoint_every=2, max_staleness=2)
+    log = tmp_path / "run.log"
+    first = start_run(config, log)
+    deadline = time.monotonic() + 180
+    while len(ledger(out)) < 3 and first.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.2)
+    first.send_signal(signal.SIGKILL)
+    first.wait()
+    killed_at = len(ledger(out))
+    assert 3 <= killed_at < 8, log.read_text()[-3000:]
+    resumed = start_run(config, log, "--resume")
+    assert resumed.wait(240) == 0, log.read_text()[-3000:]
+    report = json.loads((out / "report.json").read_text())
+    assert (report["ended_by"], report["steps"]) == ("max_steps", 8)
+    assert "resumed at step" in log.read_text()
+    import asyncio
+    published, lettered = asyncio.run(published_groups(f"embedded://{out.resolve() / 'bus'}", "out"))
+    entries = assert_judged_once(out, published, lettered)
+    assert len(entries) == 8
