@@ -221,7 +221,7 @@ def embedded_engine(config: RunConfig, model_dir: Path) -> RolloutEngine:
 
 
 async def run_embedded(config: RunConfig, model_dir: Path, evaluator: Evaluator,
-                       stop: asyncio.Event) -> dict:
+                       stop: asyncio.Event, on_beat: Callable[[dict], None] | None) -> dict:
     """Producers and trainer in this process, until a bound is met (the clock starts once the
     producers' engines are up)."""
     bus = evaluator.bus
@@ -236,7 +236,7 @@ async def run_embedded(config: RunConfig, model_dir: Path, evaluator: Evaluator,
                                           base_model=base_model_id(model_dir)))
     started = time.monotonic()
     try:
-        async with RunWatch(bus, config.run, config.weights().public_key) as watch, \
+        async with RunWatch(bus, config.run, config.weights().public_key, on_beat) as watch, \
                 asyncio.TaskGroup() as tasks:
             for worker in workers:
                 tasks.create_task(worker.run(stop))
@@ -311,9 +311,9 @@ async def feed_once(bus, config: RunConfig, record: dict) -> None:
 
 
 async def train_run(config: RunConfig, stop: asyncio.Event, *, resume: bool = False,
-                    fresh: bool = False) -> dict:
+                    fresh: bool = False, on_beat: Callable[[dict], None] | None = None) -> dict:
     """Warm start, evaluate, feed, train until a bound or `stop`, evaluate; the result (the
-    report's fields)."""
+    report's fields). `on_beat` sees each trainer heartbeat's counters (a progress bar)."""
     from miles.demo_report import build_report
 
     began = time.monotonic()
@@ -336,12 +336,33 @@ async def train_run(config: RunConfig, stop: asyncio.Event, *, resume: bool = Fa
                 record["initial_accuracy"] = await evaluator.measure(held_out)
                 save_record(config, record)
             run = run_embedded if config.embedded else run_processes
-            result = await run(config, model_dir, evaluator, stop)
+            result = await run(config, model_dir, evaluator, stop, on_beat)
             await evaluator.load_final()
             final = await evaluator.measure(held_out)
     return build_report(config, result, evaluator.curve, initial=record["initial_accuracy"],
                         final=final, held_out=len(held_out), warm_s=warm_s,
                         wall_s=time.monotonic() - began, model_dir=model_dir)
+
+
+class StepBar:
+    """A progress bar of the trainer's steps (tqdm's, which draws itself in notebooks too)."""
+
+    def __init__(self, total: int, *, enabled: bool):
+        from tqdm.auto import tqdm
+
+        self.bar = tqdm(total=total or None, unit="step", disable=not enabled)
+
+    def update(self, beat: dict) -> None:
+        step = int(beat.get("step", 0))
+        if step > self.bar.n:
+            self.bar.update(step - self.bar.n)
+            self.bar.set_postfix(groups=int(beat.get("trainer/groups_trained", 0)))
+
+    def __enter__(self) -> StepBar:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.bar.close()
 
 
 def with_run_name(config: RunConfig, *, resume: bool = False) -> RunConfig:
@@ -374,13 +395,17 @@ def finish(config: RunConfig, report: dict) -> dict:
     return report
 
 
-def main_run(config: RunConfig, *, resume: bool = False, fresh: bool = False) -> dict:
-    """`miles run` (and `miles demo`, `fresh`): the run in this process, until a bound, the
-    data's end or a signal; the report, also written to out_dir/report.json."""
+def main_run(config: RunConfig, *, resume: bool = False, fresh: bool = False,
+             progress: bool = False) -> dict:
+    """`miles run` (and `miles demo`, `fresh`; `miles.train`, `progress`): the run in this
+    process, until a bound, the data's end or a signal; the report, also written to
+    out_dir/report.json."""
     configure_logging()
     config = with_run_name(config, resume=resume)
     log_config(config)
-    report = run_service(lambda stop: train_run(config, stop, resume=resume, fresh=fresh))
+    with StepBar(config.max_steps, enabled=progress) as bar:
+        report = run_service(lambda stop: train_run(config, stop, resume=resume, fresh=fresh,
+                                                    on_beat=bar.update))
     finish(config, report)
     gain = report["final_accuracy"] - report["initial_accuracy"]
     print(f"held-out accuracy {report['initial_accuracy']:.3f} -> {report['final_accuracy']:.3f} "

@@ -16,6 +16,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -120,14 +121,15 @@ def exited(processes: dict[str, subprocess.Popen]) -> str | None:
 
 
 async def run_processes(config: RunConfig, model_dir: Path, evaluator: Evaluator,
-                        stop: asyncio.Event) -> dict:
+                        stop: asyncio.Event, on_beat: Callable[[dict], None] | None) -> dict:
     """Producers and trainer (and with `fanout` the evaluator and recorder daemons) as separate
     processes on Kafka, until a bound is met; the clock starts when the trainer has announced
     a version and a producer, its engine built, has sent its first heartbeat. A daemon that
     exits before then, or a producer that exits at all, fails the run (see its log)."""
     processes = start_daemons(config, model_dir)
     try:
-        async with RunWatch(evaluator.bus, config.run, config.weights().public_key) as watch:
+        async with RunWatch(evaluator.bus, config.run, config.weights().public_key,
+                            on_beat) as watch:
             spawned = time.monotonic()
             await watch.until_started(evaluator, stop, lambda: exited(processes))
             started = time.monotonic()

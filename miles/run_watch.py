@@ -34,9 +34,11 @@ POLL_S = 1.0
 class RunWatch:
     """Reads the status topic (from its end) for the trainer's heartbeats; use `async with`."""
 
-    def __init__(self, bus: Bus, run: str, public_key: Path | None):
+    def __init__(self, bus: Bus, run: str, public_key: Path | None,
+                 on_beat: Callable[[dict], None] | None = None):
         self.bus = bus
         self.run = run
+        self.on_beat = on_beat  # called with each verified trainer heartbeat's counters
         self.verifier = Verifier(public_key, who="run watch")
         self.trainer: dict = {}  # the newest verified trainer heartbeat's counters
         self._status: DecodingConsumer | None = None
@@ -58,6 +60,8 @@ class RunWatch:
             beat = item.value
             if beat.role == "trainer" and self.verifier.refusal(beat) is None:
                 self.trainer = dict(beat.extra)
+                if self.on_beat is not None:
+                    self.on_beat(self.trainer)
 
     async def until_started(self, evaluator: Evaluator, stop: asyncio.Event,
                             failed: Callable[[], str | None] = lambda: None) -> None:
@@ -74,6 +78,7 @@ class RunWatch:
         deadline = time.monotonic() + max_seconds if max_seconds else math.inf
         while True:
             _raise_if(failed())
+            await self.read_status()
             if stop.is_set():
                 return "stopped"
             if trainer_done():
@@ -93,7 +98,7 @@ class RunWatch:
         if not fed or sum(committed.values()) < fed:
             return False
         published = sum(end for _, end in (await self.bus.topic_offsets([trajectories])).values())
-        await self.read_status()
+        await self.read_status()  # a beat sent after the prompts were all committed
         return self.trainer.get("consumed", -1) >= published
 
 

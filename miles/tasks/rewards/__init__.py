@@ -8,6 +8,7 @@ A reward spec (the `reward` setting) is one of:
   `<think>...</think> <answer>...</answer>` (`matching.DEFAULT_FORMAT`);
 - `rm:PATH`: a Hugging Face sequence-classification checkpoint's logit for prompt + response
   (`reward_model`);
+- `api:NAME`: a callable handed to `miles.train` in this process (`register_reward`);
 - `package.module:function`: any plugin, `fn(response, reference) -> float`, sync or async,
   optionally `@batched` and optionally taking the prompt text (`scorer` says how); the module
   names `format` and `rm` are taken by the built-ins above.
@@ -27,11 +28,19 @@ from miles.tasks.rewards.matching import FormatReward, exact_match
 from miles.tasks.rewards.scorer import DEFAULT_TIMEOUT_S, Scored, Scorer, batched, inline
 
 __all__ = ["BUILTIN_REWARDS", "DEFAULT_TIMEOUT_S", "Scored", "Scorer", "batched", "inline",
-           "exact_match", "math_answer", "resolve_reward"]
+           "exact_match", "math_answer", "register_reward", "resolve_reward"]
 
 BUILTIN_REWARDS: dict[str, Callable] = {"exact_match": exact_match, "math": math_answer,
                                         "format": FormatReward()}
 """Rewards named by the spec alone; `format:REGEX` and `rm:PATH` take an argument."""
+REGISTERED: dict[str, Callable] = {}  # `api:NAME` -> a callable given to `miles.train`
+
+
+def register_reward(fn: Callable) -> str:
+    """Name `fn` for this process (a reward callable not importable by name); the spec."""
+    spec = f"api:{getattr(fn, '__name__', 'reward')}-{len(REGISTERED)}"
+    REGISTERED[spec] = fn
+    return spec
 
 
 def resolve_reward(spec: str, *, timeout_s: float = DEFAULT_TIMEOUT_S) -> Scorer:
@@ -46,6 +55,11 @@ def reward_function(spec: str) -> Callable:
     prefix, sep, rest = spec.partition(":")
     if sep and prefix == "format":
         return FormatReward(rest)
+    if sep and prefix == "api":
+        if spec not in REGISTERED:
+            raise ConfigError(f"reward {spec!r} was registered by another process (miles.train "
+                              "runs a callable reward on the embedded bus only)")
+        return REGISTERED[spec]
     if sep and prefix == "rm":
         from miles.tasks.rewards.reward_model import RewardModel
 
