@@ -44,7 +44,7 @@ from miles.engines.vllm_engine import VLLMEngineSettings
 from miles.engines.vllm_server import VLLMServerSettings
 from miles.envs import EnvironmentFactory, load_environment
 from miles.episodes import EpisodeSettings
-from miles.errors import ConfigError
+from miles.errors import ConfigError, MilesError
 from miles.evaluation import EpisodeEval, Evaluator
 from miles.feeder import feed
 from miles.protocol.topics import run_topics, topic_name
@@ -198,6 +198,38 @@ def warm_start(config: RunConfig, should_stop: Callable[[], bool] = lambda: Fals
     return sft_dir
 
 
+async def check_door(config: RunConfig) -> None:
+    """Before any model loads: each setting that cannot work is one ConfigError naming it (the
+    model folder, the prompts and their fields, the reward, the environment, the bus)."""
+    if config.model_dir is not None:
+        _check_model(Path(config.model_dir))
+    fields = "dataset.prompt_field, dataset.answer_field, dataset.id_field"
+    for split in ("train", "test"):
+        try:
+            config.problems(split)
+        except ConfigError as err:
+            raise ConfigError(f"prompts: {err} (the field names are {fields})") from None
+    scorer = resolve_reward(config.reward, timeout_s=config.reward_timeout_s)
+    environment(config, scorer)
+    try:
+        async with open_bus(bus_url(config), config.kafka):
+            pass
+    except MilesError as err:
+        raise ConfigError(f"bus: {config.bus} cannot be reached: {err}") from None
+
+
+def _check_model(path: Path) -> None:
+    from transformers import AutoConfig
+
+    if not (path / "config.json").is_file():
+        raise ConfigError(f"model_dir: {path} is not a Hugging Face checkpoint folder "
+                          "(no config.json)")
+    try:
+        AutoConfig.from_pretrained(path)
+    except (OSError, ValueError, KeyError) as err:
+        raise ConfigError(f"model_dir: {path} does not load: {err}") from None
+
+
 def environment(config: RunConfig, scorer: Scorer) -> EnvironmentFactory | None:
     """The run's environment factory (None: single-turn)."""
     return load_environment(config.env, reward=scorer) if config.env else None
@@ -317,6 +349,7 @@ async def train_run(config: RunConfig, stop: asyncio.Event, *, resume: bool = Fa
     from miles.demo_report import build_report
 
     began = time.monotonic()
+    await check_door(config)
     model_dir = await asyncio.to_thread(warm_start, config, stop.is_set)  # signals heard
     warm_s = time.monotonic() - began
     held_out = config.problems("test")

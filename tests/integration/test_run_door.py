@@ -1,0 +1,72 @@
+"""`miles run`'s door: each setting that cannot work is one clear ConfigError naming it, raised
+before any model is loaded."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+
+from miles import run as run_module
+from miles.bus import kafka_errors
+from miles.config import load_with_preset
+from miles.errors import ConfigError
+from miles.rl.algorithm import preset_layers
+from miles.run import RunConfig, check_door, main_run
+from tests.runs import write_dataset
+
+
+def config_of(tmp_path, model_dir, *overrides: str) -> RunConfig:
+    dataset = write_dataset(tmp_path / "data.jsonl", 8)
+    return load_with_preset(RunConfig, preset_layers(), "learner.algorithm", overrides=[
+        f"model_dir={model_dir}", f"prompts={dataset}", f"out_dir={tmp_path / 'out'}",
+        *overrides])
+
+
+def door_error(config: RunConfig) -> str:
+    with pytest.raises(ConfigError) as caught:
+        asyncio.run(check_door(config))
+    return str(caught.value)
+
+
+def test_an_unknown_key_names_itself(tmp_path, model_dir):
+    with pytest.raises(ConfigError, match="learner.lrr"):
+        config_of(tmp_path, model_dir, "learner.lrr=1e-4")
+
+
+def test_a_model_folder_that_does_not_load(tmp_path, model_dir):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert door_error(config_of(tmp_path, empty)).startswith("model_dir: ")
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "config.json").write_text(json.dumps({"model_type": "no-such-architecture"}))
+    assert door_error(config_of(tmp_path, broken)).startswith("model_dir: ")
+
+
+def test_a_dataset_without_the_named_fields(tmp_path, model_dir):
+    message = door_error(config_of(tmp_path, model_dir, "dataset.prompt_field=question"))
+    assert message.startswith("prompts: ") and "'question'" in message
+    assert "dataset.prompt_field" in message
+
+
+def test_a_reward_that_cannot_be_imported(tmp_path, model_dir):
+    message = door_error(config_of(tmp_path, model_dir, "reward=no_such_module:score"))
+    assert "reward 'no_such_module:score'" in message
+
+
+def test_a_bus_that_cannot_be_reached(tmp_path, model_dir, monkeypatch):
+    monkeypatch.setattr(kafka_errors, "START_TIMEOUT_S", 1.0)
+    message = door_error(config_of(tmp_path, model_dir, "bus=kafka://127.0.0.1:9"))
+    assert message.startswith("bus: kafka://127.0.0.1:9 cannot be reached")
+
+
+def test_the_door_comes_before_any_model_loads(tmp_path, model_dir, monkeypatch):
+    def no_model(*args, **kwargs):
+        raise AssertionError("a model was loaded before the settings were checked")
+
+    monkeypatch.setattr(run_module, "warm_start", no_model)
+    monkeypatch.setattr(run_module, "HFEngine", no_model)
+    with pytest.raises(ConfigError, match="^reward"):
+        main_run(config_of(tmp_path, model_dir, "reward=no_such_module:score"))
