@@ -8,7 +8,9 @@ limit of a handful so a fork bomb stays tiny on a shared machine.
 
 import asyncio
 import os
+import shutil
 import signal
+import sys
 import time
 import uuid
 from pathlib import Path
@@ -218,6 +220,67 @@ async def test_a_directory_the_uid_cannot_enter_is_reported_as_setup_failed(tmp_
     assert result.reason == "setup_failed" and result.stdout == ""
     assert "sandbox setup failed: PermissionError" in result.stderr
     assert list(private.iterdir()) == []
+
+
+@pytest.fixture
+def run_secret():
+    """A producer's out_dir with a signing key any uid could read (a umask of 022): only a view
+    of the file system without it keeps the code from reading it."""
+    out_dir = Path("/tmp") / f"miles-out-{uuid.uuid4().hex}"
+    (out_dir / "keys").mkdir(parents=True)
+    for path in (out_dir, out_dir / "keys"):
+        path.chmod(0o755)
+    key = out_dir / "keys" / "control.key"
+    key.write_text("SECRET-KEY-MATERIAL")
+    key.chmod(0o644)
+    yield key
+    shutil.rmtree(out_dir)
+
+
+def escape_payload(secret: Path, marker: str) -> str:
+    """Code that reads `secret` and writes `marker` into /tmp and /dev/shm, printing each error."""
+    return (f"for action in (lambda: print(open({str(secret)!r}).read()),\n"
+            f"               lambda: open('/tmp/{marker}', 'w').write('escaped'),\n"
+            f"               lambda: open('/dev/shm/{marker}', 'w').write('escaped')):\n"
+            "    try:\n        action()\n    except OSError as err:\n"
+            "        print('refused:', err)\n")
+
+
+def assert_contained(result, secret: Path, marker: str) -> None:
+    assert "SECRET-KEY-MATERIAL" not in result.stdout, result.stdout
+    for directory in ("/tmp", "/dev/shm"):
+        leaked = Path(directory) / marker
+        assert not leaked.exists(), f"{leaked} written from inside the sandbox"
+
+
+NO_OP_HOOK = ("def make(own, readable):\n    def hook(event, args):\n        (own, readable)\n"
+              "    return hook\n")
+HOOK_ESCAPES = {  # each tries to switch the audit hook off; the payload runs whatever happened
+    "gc.get_objects (the audit of issue 17)":
+        "import gc\nhook = next(f for f in gc.get_objects() if type(f).__name__ == 'function'"
+        " and f.__name__ == 'hook')\nhook.__code__ = make(1, 2).__code__\n",
+    "gc.get_referrers of the bootstrap's globals":
+        "import gc, sys\nboot = sys.modules['__main__'].__dict__\nhook = next(f for f in "
+        "gc.get_referrers(boot) if getattr(f, '__name__', '') == 'hook')\n"
+        "hook.__code__ = make(1, 2).__code__\n",
+    "walking the frames":
+        "import sys\nframe = sys._getframe()\nwhile 'hook' not in frame.f_locals:\n"
+        "    frame = frame.f_back\nframe.f_locals['hook'].__code__ = make(1, 2).__code__\n",
+    "patching the bootstrap's globals":
+        "import sys\nsys.modules['__main__']._inside = lambda path, roots: True\n",
+    "patching a builtin": "import builtins\nbuiltins.any = lambda items: True\n",
+    "patching os.path.realpath": "import os\nos.path.realpath = lambda path: os.getcwd()\n",
+}
+
+
+@pytest.mark.parametrize("escape", HOOK_ESCAPES.values(), ids=HOOK_ESCAPES.keys())
+async def test_the_audit_hook_cannot_be_switched_off(sandbox, run_secret, escape):
+    marker = f"miles-escape-{uuid.uuid4().hex}"
+    attempt = "try:\n" + "".join(f"    {line}\n" for line in escape.splitlines()) + \
+        "except Exception as err:\n    print('escape failed:', type(err).__name__, err)\n"
+    result = await sandbox.run(NO_OP_HOOK + attempt + escape_payload(run_secret, marker))
+    assert_contained(result, run_secret, marker)
+    assert "refused: sandbox: reading" in result.stdout, result.stdout
 
 
 @pytest.mark.parametrize("field, value", [("cpu_s", 0), ("memory_mb", -1), ("wall_s", 0.0),
