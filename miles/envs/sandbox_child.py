@@ -11,11 +11,13 @@ processes, sockets, ctypes and raw subprocess imports, raising resource limits, 
 to reach or rewrite the hook itself (`gc.get_objects`/`get_referrers`/`get_referents`, setting
 a function's `__code__`). Then it runs the code as a fresh `__main__` module.
 
-The hook is unreachable from the code as far as CPython allows: no running frame holds it, this
-module is not `sys.modules["__main__"]`, and it reads nothing at call time that the code could
-rebind (module attributes, builtins, this module's globals). What stays open: the pure-Python
-path helpers it calls (`posixpath.realpath`) read `os` and `posixpath` globals, which the code
-can rebind. The hook is defence in depth, not a security boundary (see docs/environments.md).
+The hook cannot be rewritten from the code as far as CPython allows: gc's object walks are
+refused, no running frame holds it, this module is not `sys.modules["__main__"]`, and it reads
+nothing at call time that the code could rebind (module attributes, builtins, this module's
+globals, closure cells); its frame is visible in a refusal's traceback, its functions are not
+changeable. What stays open: the pure-Python path helpers it calls (`posixpath.realpath`) read
+`os` and `posixpath` globals, which the code can rebind. The hook is defence in depth, not a
+security boundary (see docs/environments.md): the private root and the uid hold without it.
 
 Stdlib only, no Miles imports: it runs in an isolated interpreter.
 """
@@ -41,9 +43,9 @@ DENIED_EVENTS = frozenset({
     "subprocess.Popen", "pty.spawn", "os.kill", "os.killpg", "signal.pthread_kill",
     "resource.setrlimit", "resource.prlimit", "os.symlink", "os.link", "os.chroot",
     "sys.remote_exec", "gc.get_objects", "gc.get_referrers", "gc.get_referents"})
-DENIED_ATTRIBUTES = frozenset({"__code__"})
-"""Attributes the code may not set (`object.__setattr__` event): a function's code, so that no
-function, the hook included, can be rewritten in place."""
+DENIED_ATTRIBUTES = frozenset({"__code__", "__defaults__", "__kwdefaults__"})
+"""Function attributes the code may not set (`object.__setattr__` event), so that no function,
+the hook included, can be rewritten in place."""
 DENIED_PREFIXES = ("socket.", "ctypes.", "_ctypes.")
 DENIED_MODULES = frozenset({"ctypes", "_ctypes", "_posixsubprocess", "_testcapi",
                             "_testinternalcapi", "_xxsubinterpreters"})
@@ -102,17 +104,20 @@ def _library_dirs() -> tuple[str, ...]:
 
 
 def _audit_hook(workdir: str, library: tuple[str, ...]):
-    """The hook. Everything it uses is bound when it is made (closure cells, and builtins as
-    default arguments), never looked up in a module or the builtins when it runs: code that
-    rebinds `builtins.len`, `os.path.realpath` or this module's globals changes nothing here."""
-    own, readable = (workdir,), (workdir, *library)
-    inside, resolve = _path_checks(os.sep, os.getcwd, os.fsdecode, os.path.realpath)
-    refuse_open = _open_check(inside, resolve, own, readable)
-    denied_events, denied_prefixes, denied_modules = DENIED_EVENTS, DENIED_PREFIXES, DENIED_MODULES
-    path_events, list_events, denied_attributes = PATH_EVENTS, LIST_EVENTS, DENIED_ATTRIBUTES
+    """The hook. Everything it uses is bound when it is made, as keyword-only defaults (which
+    the code cannot set: `DENIED_ATTRIBUTES`), never looked up in a module, the builtins or a
+    closure cell when it runs: the code can see the hook's frame (in a refusal's traceback) but
+    rebinding `builtins.len`, `os.path.realpath`, this module's globals or a cell changes
+    nothing it runs."""
+    inside, resolve = _path_checks()
+    refuse_open = _open_check(inside, resolve, (workdir,), (workdir, *library))
 
-    def hook(event: str, args: tuple, len=len, refused=PermissionError,
-             refused_import=ImportError) -> None:
+    def hook(event: str, args: tuple, *, refuse_open=refuse_open, inside=inside,
+             resolve=resolve, own=(workdir,), readable=(workdir, *library),
+             denied_events=DENIED_EVENTS, denied_prefixes=DENIED_PREFIXES,
+             denied_modules=DENIED_MODULES, denied_attributes=DENIED_ATTRIBUTES,
+             path_events=PATH_EVENTS, list_events=LIST_EVENTS, len=len,
+             refused=PermissionError, refused_import=ImportError) -> None:
         if event == "open":
             refuse_open(args)
         elif event == "import":
@@ -136,16 +141,17 @@ def _audit_hook(workdir: str, library: tuple[str, ...]):
     return hook
 
 
-def _path_checks(sep, getcwd, fsdecode, realpath):
+def _path_checks():
     """(inside(path, roots), resolve(path argument): its real absolute path, None for a file
-    descriptor), over the functions given rather than the modules' attributes at call time."""
-    def inside(path: str, roots: tuple[str, ...]) -> bool:
+    descriptor), bound to today's `os` functions rather than the module attributes later."""
+    def inside(path: str, roots: tuple[str, ...], *, sep=os.sep) -> bool:
         for root in roots:
             if path == root or path.startswith(root + sep):
                 return True
         return False
 
-    def resolve(path: object, type=type, int=int) -> str | None:
+    def resolve(path: object, *, getcwd=os.getcwd, fsdecode=os.fsdecode,
+                realpath=os.path.realpath, type=type, int=int) -> str | None:
         if path is None:
             return getcwd()
         if type(path) is int:
@@ -155,13 +161,14 @@ def _path_checks(sep, getcwd, fsdecode, realpath):
     return inside, resolve
 
 
-def _open_check(inside, resolve, own, readable):
+def _open_check(inside, resolve, own: tuple[str, ...], readable: tuple[str, ...]):
     """The `open` event's check: writing only inside `own`, reading inside `readable`."""
-    def refuse_open(args: tuple, isinstance=isinstance, str=str, int=int, any=any,
+    def refuse_open(args: tuple, *, inside=inside, resolve=resolve, own=own, readable=readable,
+                    isinstance=isinstance, str=str, int=int, write_modes=frozenset("wax+"),
                     write_flags=WRITE_FLAGS, refused=PermissionError) -> None:
         path = resolve(args[0])
         mode, flags = args[1], args[2]
-        writes = (isinstance(mode, str) and any(c in mode for c in "wax+")) or \
+        writes = (isinstance(mode, str) and not write_modes.isdisjoint(mode)) or \
             (isinstance(flags, int) and flags & write_flags)
         if path is not None and not inside(path, own if writes else readable):
             raise refused(f"sandbox: {'writing' if writes else 'reading'} {args[0]!r} is not "
