@@ -21,8 +21,12 @@ class ScriptedEngine(TokenizedEngine):
 
     name = "scripted"
 
-    def __init__(self, tokenizer_dir, reply: Callable[[str], str]):
+    def __init__(self, tokenizer_dir, reply: Callable[[str], str], *,
+                 spell: Callable[[str], list[int]] | None = None):
+        """`spell(text)`: the ids a reply is sampled as; default the tokenizer's own encoding
+        (a model may sample another tokenization of the same text)."""
         self.tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+        self.spell = spell or self.encode
         self._vocab_size, self._eos_token_id = len(self.tokenizer), self.tokenizer.eos_token_id
         self.reply = reply
         self.calls: list[tuple[list[list[int]], tuple[str, ...]]] = []
@@ -36,9 +40,9 @@ class ScriptedEngine(TokenizedEngine):
     def _completion(self, text: str, budget: int, stop_strings) -> Completion:
         ends = [text.index(s) + len(s) for s in stop_strings if s in text]
         if ends:
-            ids, reason = self.encode(text[:min(ends)]), "stop_string"
+            ids, reason = self.spell(text[:min(ends)]), "stop_string"
         else:
-            ids, reason = self.encode(text) + [self._eos_token_id], "stop"
+            ids, reason = self.spell(text) + [self._eos_token_id], "stop"
         if len(ids) > budget:
             ids, reason = ids[:budget], "length"
         return Completion(token_ids=np.asarray(ids, dtype=np.int32),

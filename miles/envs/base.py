@@ -158,6 +158,11 @@ class Environment(ABC):
         """Release what the episode held (called once, also after a failure); default: nothing."""
         return None
 
+    def tool_schemas(self) -> list[dict[str, Any]]:
+        """The tools the episode may call, described for a chat template's `tools=` (JSON
+        schema, as OpenAI's); default: none."""
+        return []
+
 
 class SingleTurn(Environment):
     """Today's single-turn task as an environment: the prompt, one answer, its reward."""

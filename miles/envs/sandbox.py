@@ -3,51 +3,61 @@
 Each `run(code)` starts `python -I` in its own session (process group) with a throw-away working
 directory, feeds the code on stdin and collects stdout/stderr, each read with a cap. Layers, from
 the operating system inward (`Protections` says which are active on this machine):
-- namespaces: when `unshare --net --pid` works (root, or where permitted), the child has no
-  network (only a loopback interface, down) and is PID 1 of its own PID namespace, so killing
-  it kills every process it started, even ones that left its process group;
-- uid drop: started as root, the child becomes an unprivileged uid (`nobody` by default) before
-  the user's code runs, so the kernel enforces file permissions and RLIMIT_NPROC (which never
-  binds root); the working directory is chowned to that uid;
+- namespaces (root): `unshare --mount --net --pid`: no network (only a loopback interface,
+  down); PID 1 of its own PID namespace, so killing it kills every process it started, even
+  ones that left its process group; and a private root (`sandbox_root`): the system and
+  interpreter directories read-only, its own tmpfs /tmp and /dev/shm, its working directory,
+  nothing else of the host (no home, no out_dir or keys, no other run's directory);
+- uid drop (root): the child becomes a uid of its own, held by no other run of the process
+  (`uid`, `uid_count`), before the code runs, so the kernel enforces file permissions between
+  runs and RLIMIT_NPROC (which never binds root) per run; its working directory is its own;
 - resource limits (RLIMIT_CPU, RLIMIT_AS, RLIMIT_FSIZE, RLIMIT_NPROC, RLIMIT_NOFILE, no core
   files), set in the child by the bootstrap (`sandbox_child.py`) before the code runs;
 - an audit hook in the child refusing file access outside the directory, process creation,
-  sockets and ctypes (`sandbox_child.py` lists them);
+  sockets, ctypes and the known ways to rewrite the hook (`sandbox_child.py` lists them);
 - the parent's wall clock and output caps: past either, the whole process group is SIGKILLed.
-Choices: RLIMIT_NPROC counts every process and thread of the uid machine-wide, so concurrent
-sandboxes under one uid share `max_processes` (give each pool its own `uid` if that matters);
-without root no uid drop happens and RLIMIT_NPROC is not set (it would count all of the user's
-own processes), leaving the audit hook to refuse fork. The parent never raises for the code's
-behaviour: every outcome is a `SandboxResult` with a `reason`.
+Choices: the first two need root (or CAP_SYS_ADMIN); unprivileged user namespaces could give a
+non-root parent the namespaces and private root too, and are not used (the uid inside would be
+the parent's own, and the probe would differ per distribution). Without root the hook is then
+the only file and network barrier, and RLIMIT_NPROC is not set (it would count all of the user's
+own processes). uids are unique within a process only: give concurrent producer processes on one
+machine disjoint `uid` ranges. The parent never raises for the code's behaviour: every outcome
+is a `SandboxResult` with a `reason`.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import math
 import os
-import pwd
 import shutil
 import signal
 import stat
 import subprocess
 import sys
 import tempfile
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
 from miles.errors import ConfigError
 from miles.envs.sandbox_child import CPU_LIMIT_EXIT, SETUP_FAILED_EXIT
+from miles.envs.sandbox_root import PROBE_TIMEOUT_S, private_root_prefix, visible_dirs
 
 BOOTSTRAP_SOURCE = Path(__file__).with_name("sandbox_child.py").read_text(encoding="utf-8")
 READ_CHUNK = 65536
 KILL_WAIT_S = 5.0
 """How long to wait for a SIGKILLed child to be reaped before giving up on it."""
-PROBE_TIMEOUT_S = 10.0
-UNSHARE = ("unshare", "--net", "--pid", "--fork", "--kill-child", "--")
+UNSHARE = ("unshare", "--mount", "--propagation", "private", "--net", "--pid", "--fork",
+           "--kill-child", "--")
 CHILD_ENV_PATH = "/usr/bin:/bin"
-FALLBACK_UID = 65534
+FIRST_UID = 1_000_000_000
+"""The default first uid of the runs' uids: far above accounts' uids and the subordinate ranges
+(100000 and up) that container runtimes hand out."""
+UID_COUNT = 4096
+"""How many uids a sandbox's runs take turns with: at most this many runs at a time."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -68,10 +78,12 @@ class SandboxLimits:
     """RLIMIT_NOFILE."""
     max_output_bytes: int = 65536
     """Cap of stdout and of stderr each; past it the output is truncated and the run killed."""
+    tmp_mb: int = 64
+    """Size of the run's own /tmp and /dev/shm each (tmpfs, in memory; with namespaces only)."""
 
     def __post_init__(self) -> None:
         for name in ("cpu_s", "memory_mb", "file_size_mb", "max_processes", "max_open_files",
-                     "max_output_bytes"):
+                     "max_output_bytes", "tmp_mb"):
             value = getattr(self, name)
             if not (isinstance(value, int) and value >= 1):
                 raise ConfigError(f"sandbox.{name} must be an integer >= 1, got {value!r}")
@@ -105,15 +117,18 @@ class Protections:
     """Which layers `PythonSandbox` uses on this machine (see the module docstring)."""
 
     namespaces: bool
+    """Network, PID and mount namespaces, with the private root (`sandbox_root`)."""
     uid_drop: bool
-    uid: int | None
+    uids: range | None
+    """The uids the runs take turns with, one per run at a time; None without a uid drop."""
     nproc_limit: bool
     audit_hook: bool
 
     def describe(self) -> str:
-        net = "network+PID namespaces" if self.namespaces else \
-            "no namespaces (sockets refused by the audit hook only)"
-        uid = f"uid drop to {self.uid}" if self.uid_drop else "no uid drop (not root)"
+        net = "network+PID+mount namespaces, private read-only root" if self.namespaces else \
+            "no namespaces (sockets and files outside refused by the audit hook only)"
+        uid = (f"uid drop to a uid of its own per run ({self.uids.start}-{self.uids.stop - 1})"
+               if self.uid_drop else "no uid drop (not root)")
         nproc = "RLIMIT_NPROC" if self.nproc_limit else "no RLIMIT_NPROC"
         hook = "audit hook" if self.audit_hook else "NO audit hook"
         return f"{net}; {uid}; {nproc}; {hook}; rlimits CPU/AS/FSIZE/NOFILE; wall clock; caps"
@@ -123,45 +138,61 @@ class PythonSandbox:
     """Runs code in a fresh limited child per call; safe to share between episodes."""
 
     def __init__(self, limits: SandboxLimits | None = None, *, python: str = sys.executable,
-                 uid: int | None = None, namespaces: bool = True, audit_hook: bool = True,
-                 tmp_root: str | None = None):
+                 uid: int | None = None, uid_count: int = UID_COUNT, namespaces: bool = True,
+                 audit_hook: bool = True, tmp_root: str | None = None):
+        """`uid`: the first of the `uid_count` uids the runs take (as root); give concurrent
+        processes on one machine disjoint ranges, as a run's uid is unique within its process."""
         self.limits = limits or SandboxLimits()
         self.python = python
         self.tmp_root = tmp_root
+        if not (isinstance(uid_count, int) and uid_count >= 1):
+            raise ConfigError(f"sandbox uid_count must be an integer >= 1, got {uid_count!r}")
         root = os.geteuid() == 0
-        self._uid, self._gid = _unprivileged_ids(uid) if root else (None, None)
+        first = FIRST_UID if uid is None else uid
+        uids = range(first, first + uid_count) if root else None
+        self._visible = _private_root_dirs(python) if namespaces else None
         self.protections = Protections(
-            namespaces=namespaces and _namespaces_work(), uid_drop=root, uid=self._uid,
-            nproc_limit=root, audit_hook=audit_hook)
+            namespaces=self._visible is not None, uid_drop=root, uids=uids, nproc_limit=root,
+            audit_hook=audit_hook)
 
     async def run(self, code: str) -> SandboxResult:
         """Run `code` to completion or to a limit; never raises for what the code does."""
-        workdir = tempfile.mkdtemp(prefix="miles-sandbox-", dir=self.tmp_root)
-        try:
-            if self._uid is not None:
-                os.chown(workdir, self._uid, self._gid)
-            proc = await asyncio.create_subprocess_exec(
-                *self._command(workdir), stdin=asyncio.subprocess.PIPE,
-                stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
-                start_new_session=True, cwd=workdir, env=_child_env(workdir))
+        with _RUN_UIDS.take(self.protections.uids) as uid:
+            if uid is _NO_UID:
+                return _setup_failed(f"no free uid in {self.protections.uids} (too many runs)")
+            base = tempfile.mkdtemp(prefix="miles-sandbox-", dir=self.tmp_root)
             try:
-                return await self._collect(proc, code)
+                return await self._run_in(base, uid, code)
             finally:
-                await _kill(proc)
-        finally:
-            _remove_tree(workdir)
+                _remove_tree(base)
 
-    def _command(self, workdir: str) -> list[str]:
+    async def _run_in(self, base: str, uid: int | None, code: str) -> SandboxResult:
+        workdir = _make_workdir(base, uid)
+        proc = await asyncio.create_subprocess_exec(
+            *self._command(base, workdir, uid), stdin=asyncio.subprocess.PIPE,
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+            start_new_session=True, cwd=workdir, env=_child_env(workdir))
+        try:
+            return await self._collect(proc, code)
+        finally:
+            await _kill(proc)
+
+    def _command(self, base: str, workdir: str, uid: int | None) -> list[str]:
         mib = 1 << 20
         limits = {"cpu_s": self.limits.cpu_s, "RLIMIT_AS": self.limits.memory_mb * mib,
                   "RLIMIT_FSIZE": self.limits.file_size_mb * mib,
                   "RLIMIT_NOFILE": self.limits.max_open_files, "RLIMIT_CORE": 0,
                   "RLIMIT_NPROC": self.limits.max_processes if self.protections.nproc_limit
                   else None}
-        config = {"workdir": workdir, "uid": self._uid, "gid": self._gid, "limits": limits,
+        config = {"workdir": workdir, "uid": uid, "gid": uid, "limits": limits,
                   "audit": self.protections.audit_hook}
-        prefix = list(UNSHARE) if self.protections.namespaces else []
-        return [*prefix, self.python, "-I", "-c", BOOTSTRAP_SOURCE, json.dumps(config)]
+        child = [self.python, "-I", "-c", BOOTSTRAP_SOURCE, json.dumps(config)]
+        if not self.protections.namespaces:
+            return child
+        root = os.path.join(base, "root")
+        os.mkdir(root, 0o700)
+        return [*UNSHARE, *private_root_prefix(root, workdir, self._visible, self.limits.tmp_mb),
+                *child]
 
     async def _collect(self, proc: asyncio.subprocess.Process, code: str) -> SandboxResult:
         cap = self.limits.max_output_bytes
@@ -197,7 +228,8 @@ def _reason(code: int | None, stderr: str, *, wall: bool, truncated: bool) -> st
         return "wall_timeout"
     if truncated:
         return "output_limit"
-    if code == SETUP_FAILED_EXIT and stderr.startswith("sandbox setup failed"):
+    if code == SETUP_FAILED_EXIT and \
+            stderr.rstrip().rpartition("\n")[2].startswith("sandbox setup failed"):
         return "setup_failed"
     if code in (CPU_LIMIT_EXIT, -signal.SIGXCPU):
         return "cpu_limit"
@@ -247,26 +279,71 @@ def _child_env(workdir: str) -> dict[str, str]:
     return {"PATH": CHILD_ENV_PATH, "LANG": "C.UTF-8", "HOME": workdir, "TMPDIR": workdir}
 
 
-def _unprivileged_ids(uid: int | None) -> tuple[int, int]:
+def _make_workdir(base: str, uid: int | None) -> str:
+    """`base/work`, the run's own (0700, its uid's); `base`, root's, others may only pass."""
+    workdir = os.path.join(base, "work")
+    os.mkdir(workdir, 0o700)
     if uid is not None:
-        return uid, uid
-    try:
-        entry = pwd.getpwnam("nobody")
-    except KeyError:
-        return FALLBACK_UID, FALLBACK_UID
-    return entry.pw_uid, entry.pw_gid
+        os.chmod(base, 0o711)
+        os.chown(workdir, uid, uid)
+    return workdir
 
 
-_NAMESPACES: list[bool] = []
+def _setup_failed(why: str) -> SandboxResult:
+    return SandboxResult("", f"sandbox setup failed: {why}\n", None, False, False, "setup_failed")
 
 
-def _namespaces_work() -> bool:
-    """Whether `unshare --net --pid` can be used here (probed once per process)."""
-    if not _NAMESPACES:
+_NO_UID = object()
+
+
+class _UidLease:
+    """Hands each concurrent run of the process a uid no other run of it holds, so that runs
+    cannot reach each other's files or processes, nor share RLIMIT_NPROC."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._held: set[int] = set()
+
+    @contextlib.contextmanager
+    def take(self, uids: range | None):
+        """Yields a free uid of `uids` (None when `uids` is None; `_NO_UID` when all are held)."""
+        with self._lock:
+            uid = next((u for u in uids if u not in self._held), _NO_UID) if uids else None
+            if isinstance(uid, int):
+                self._held.add(uid)
         try:
-            probe = subprocess.run([*UNSHARE, "true"], capture_output=True,
-                                   timeout=PROBE_TIMEOUT_S, check=False)
-            _NAMESPACES.append(probe.returncode == 0)
-        except (OSError, subprocess.TimeoutExpired):
-            _NAMESPACES.append(False)
-    return _NAMESPACES[0]
+            yield uid
+        finally:
+            if isinstance(uid, int):
+                with self._lock:
+                    self._held.discard(uid)
+
+
+_RUN_UIDS = _UidLease()
+_PRIVATE_ROOTS: dict[str, tuple[str, ...] | None] = {}
+
+
+def _private_root_dirs(python: str) -> tuple[str, ...] | None:
+    """The directories the private root shows `python`, or None where namespaces or the root
+    cannot be made here (not root, or a container without the capability); probed once per
+    interpreter and process, by starting that interpreter in one."""
+    if python not in _PRIVATE_ROOTS:
+        _PRIVATE_ROOTS[python] = _probe_private_root(python)
+    return _PRIVATE_ROOTS[python]
+
+
+def _probe_private_root(python: str) -> tuple[str, ...] | None:
+    base = tempfile.mkdtemp(prefix="miles-sandbox-probe-")
+    try:
+        visible = visible_dirs(python)
+        workdir = _make_workdir(base, None)
+        os.mkdir(os.path.join(base, "root"), 0o700)
+        command = [*UNSHARE, *private_root_prefix(os.path.join(base, "root"), workdir, visible, 1),
+                   python, "-I", "-c", "pass"]
+        probe = subprocess.run(command, capture_output=True, timeout=PROBE_TIMEOUT_S,
+                               check=False, env=_child_env(workdir))
+        return visible if probe.returncode == 0 else None
+    except (OSError, subprocess.SubprocessError, ValueError):
+        return None
+    finally:
+        _remove_tree(base)

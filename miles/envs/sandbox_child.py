@@ -7,11 +7,19 @@ installed under an unreadable home, such as pyenv under /root, could not import 
 the unprivileged uid when started as root, enters the working directory, and installs an audit
 hook (PEP 578) that refuses: file access outside the working directory (the interpreter's own
 library directories stay readable, never writable), process creation, signals to other
-processes, sockets, ctypes and raw subprocess imports, and raising resource limits. Then it
-runs the code as `__main__`.
+processes, sockets, ctypes and raw subprocess imports, raising resource limits, and the ways
+to reach or rewrite the hook itself (`gc.get_objects`/`get_referrers`/`get_referents`, setting
+a function's `__code__`). Then it runs the code as a fresh `__main__` module.
 
-Stdlib only, no Miles imports: it runs in an isolated interpreter. The hook is defence in depth;
-audit hooks are not a security boundary on their own (see docs/environments.md).
+The hook cannot be rewritten from the code as far as CPython allows: gc's object walks are
+refused, no running frame holds it, this module is not `sys.modules["__main__"]`, and it reads
+nothing at call time that the code could rebind (module attributes, builtins, this module's
+globals, closure cells); its frame is visible in a refusal's traceback, its functions are not
+changeable. What stays open: the pure-Python path helpers it calls (`posixpath.realpath`) read
+`os` and `posixpath` globals, which the code can rebind. The hook is defence in depth, not a
+security boundary (see docs/environments.md): the private root and the uid hold without it.
+
+Stdlib only, no Miles imports: it runs in an isolated interpreter.
 """
 
 import json
@@ -21,6 +29,7 @@ import signal
 import sys
 import sysconfig
 import traceback
+import types
 
 CPU_LIMIT_EXIT = 152
 """Exit status when the CPU-time limit hits (128 + SIGXCPU, as a shell reports it)."""
@@ -33,7 +42,10 @@ DENIED_EVENTS = frozenset({
     "os.system", "os.exec", "os.posix_spawn", "os.spawn", "os.fork", "os.forkpty",
     "subprocess.Popen", "pty.spawn", "os.kill", "os.killpg", "signal.pthread_kill",
     "resource.setrlimit", "resource.prlimit", "os.symlink", "os.link", "os.chroot",
-    "sys.remote_exec"})
+    "sys.remote_exec", "gc.get_objects", "gc.get_referrers", "gc.get_referents"})
+DENIED_ATTRIBUTES = frozenset({"__code__", "__defaults__", "__kwdefaults__"})
+"""Function attributes the code may not set (`object.__setattr__` event), so that no function,
+the hook included, can be rewritten in place."""
 DENIED_PREFIXES = ("socket.", "ctypes.", "_ctypes.")
 DENIED_MODULES = frozenset({"ctypes", "_ctypes", "_posixsubprocess", "_testcapi",
                             "_testinternalcapi", "_xxsubinterpreters"})
@@ -47,17 +59,16 @@ LIST_EVENTS = ("os.listdir", "os.scandir")
 
 def main() -> None:
     try:
-        code, hook = _set_up(json.loads(sys.argv[1]))
+        code = _set_up(json.loads(sys.argv[1]))
     except BaseException as err:  # noqa: BLE001 - reported to the parent as a setup failure
         os.write(2, f"sandbox setup failed: {type(err).__name__}: {err}\n".encode())
         os._exit(SETUP_FAILED_EXIT)
-    if hook is not None:
-        sys.addaudithook(hook)
     _run(code)
 
 
-def _set_up(config: dict):
-    """Everything before the user's code: (the code, the audit hook to install or None)."""
+def _set_up(config: dict) -> str:
+    """Everything before the user's code, which it returns. The hook is installed here so that
+    no frame still running when the code runs holds it (the code can walk its frames)."""
     code = sys.stdin.read()
     set_limits(config["limits"])
     library = _library_dirs()  # sysconfig imports modules: before the uid drop
@@ -71,7 +82,9 @@ def _set_up(config: dict):
     os.chdir(workdir)
     signal.signal(signal.SIGXCPU, _on_cpu_limit)
     sys.dont_write_bytecode = True
-    return code, _audit_hook(workdir, library) if config["audit"] else None
+    if config["audit"]:
+        sys.addaudithook(_audit_hook(workdir, library))
+    return code
 
 
 def set_limits(limits: dict) -> None:
@@ -90,49 +103,78 @@ def _library_dirs() -> tuple[str, ...]:
     return tuple(sorted({os.path.realpath(paths[n]) for n in names if n in paths}))
 
 
-def _inside(path: str, roots: tuple[str, ...]) -> bool:
-    return any(path == root or path.startswith(root + os.sep) for root in roots)
-
-
-def _resolve(path: object) -> str | None:
-    """The real absolute path of a path argument; None for a file descriptor (already open)."""
-    if path is None:
-        return os.getcwd()
-    if isinstance(path, int):
-        return None
-    return os.path.realpath(os.fsdecode(path))
-
-
 def _audit_hook(workdir: str, library: tuple[str, ...]):
-    own = (workdir,)
-    readable = own + library
+    """The hook. Everything it uses is bound when it is made, as keyword-only defaults (which
+    the code cannot set: `DENIED_ATTRIBUTES`), never looked up in a module, the builtins or a
+    closure cell when it runs: the code can see the hook's frame (in a refusal's traceback) but
+    rebinding `builtins.len`, `os.path.realpath`, this module's globals or a cell changes
+    nothing it runs."""
+    inside, resolve = _path_checks()
+    refuse_open = _open_check(inside, resolve, (workdir,), (workdir, *library))
 
-    def hook(event: str, args: tuple) -> None:
+    def hook(event: str, args: tuple, *, refuse_open=refuse_open, inside=inside,
+             resolve=resolve, own=(workdir,), readable=(workdir, *library),
+             denied_events=DENIED_EVENTS, denied_prefixes=DENIED_PREFIXES,
+             denied_modules=DENIED_MODULES, denied_attributes=DENIED_ATTRIBUTES,
+             path_events=PATH_EVENTS, list_events=LIST_EVENTS, len=len,
+             refused=PermissionError, refused_import=ImportError) -> None:
         if event == "open":
-            path = _resolve(args[0])
-            mode, flags = args[1], args[2]
-            writes = (isinstance(mode, str) and any(c in mode for c in "wax+")) or \
-                (isinstance(flags, int) and flags & WRITE_FLAGS)
-            if path is not None and not _inside(path, own if writes else readable):
-                raise PermissionError(f"sandbox: {'writing' if writes else 'reading'} "
-                                      f"{args[0]!r} is not allowed (outside the working directory)")
+            refuse_open(args)
         elif event == "import":
-            if args[0].partition(".")[0] in DENIED_MODULES:
-                raise ImportError(f"sandbox: import of {args[0]!r} is not allowed")
-        elif event in DENIED_EVENTS or event.startswith(DENIED_PREFIXES):
-            raise PermissionError(f"sandbox: {event} is not allowed")
-        elif event in PATH_EVENTS:
-            for position in PATH_EVENTS[event]:
-                path = _resolve(args[position]) if position < len(args) else None
-                if path is not None and not _inside(path, own):
-                    raise PermissionError(f"sandbox: {event} on {args[position]!r} is not "
-                                          "allowed (outside the working directory)")
-        elif event in LIST_EVENTS:
-            path = _resolve(args[0] if args else None)
-            if path is not None and not _inside(path, readable):
-                raise PermissionError(f"sandbox: listing {args[0]!r} is not allowed")
+            if args[0].partition(".")[0] in denied_modules:
+                raise refused_import(f"sandbox: import of {args[0]!r} is not allowed")
+        elif event in denied_events or event.startswith(denied_prefixes):
+            raise refused(f"sandbox: {event} is not allowed")
+        elif event == "object.__setattr__" and args[1] in denied_attributes:
+            raise refused(f"sandbox: setting {args[1]} is not allowed")
+        elif event in path_events:
+            for position in path_events[event]:
+                path = resolve(args[position]) if position < len(args) else None
+                if path is not None and not inside(path, own):
+                    raise refused(f"sandbox: {event} on {args[position]!r} is not allowed "
+                                  "(outside the working directory)")
+        elif event in list_events:
+            path = resolve(args[0] if args else None)
+            if path is not None and not inside(path, readable):
+                raise refused(f"sandbox: listing {args[0]!r} is not allowed")
 
     return hook
+
+
+def _path_checks():
+    """(inside(path, roots), resolve(path argument): its real absolute path, None for a file
+    descriptor), bound to today's `os` functions rather than the module attributes later."""
+    def inside(path: str, roots: tuple[str, ...], *, sep=os.sep) -> bool:
+        for root in roots:
+            if path == root or path.startswith(root + sep):
+                return True
+        return False
+
+    def resolve(path: object, *, getcwd=os.getcwd, fsdecode=os.fsdecode,
+                realpath=os.path.realpath, type=type, int=int) -> str | None:
+        if path is None:
+            return getcwd()
+        if type(path) is int:
+            return None
+        return realpath(fsdecode(path))
+
+    return inside, resolve
+
+
+def _open_check(inside, resolve, own: tuple[str, ...], readable: tuple[str, ...]):
+    """The `open` event's check: writing only inside `own`, reading inside `readable`."""
+    def refuse_open(args: tuple, *, inside=inside, resolve=resolve, own=own, readable=readable,
+                    isinstance=isinstance, str=str, int=int, write_modes=frozenset("wax+"),
+                    write_flags=WRITE_FLAGS, refused=PermissionError) -> None:
+        path = resolve(args[0])
+        mode, flags = args[1], args[2]
+        writes = (isinstance(mode, str) and not write_modes.isdisjoint(mode)) or \
+            (isinstance(flags, int) and flags & write_flags)
+        if path is not None and not inside(path, own if writes else readable):
+            raise refused(f"sandbox: {'writing' if writes else 'reading'} {args[0]!r} is not "
+                          "allowed (outside the working directory)")
+
+    return refuse_open
 
 
 def _on_cpu_limit(signum: int, frame: object) -> None:
@@ -141,9 +183,12 @@ def _on_cpu_limit(signum: int, frame: object) -> None:
 
 
 def _run(code: str) -> None:
-    namespace = {"__name__": "__main__", "__builtins__": __builtins__}
+    """Runs the code as a fresh `__main__` module: `sys.modules["__main__"]` is not this one."""
+    module = types.ModuleType("__main__")
+    module.__builtins__ = __builtins__
+    sys.modules["__main__"] = module
     try:
-        exec(compile(code, "<sandbox>", "exec"), namespace)  # noqa: S102 - the sandbox's job
+        exec(compile(code, "<sandbox>", "exec"), module.__dict__)  # noqa: S102 - its job
     except SystemExit:
         raise
     except BaseException as err:  # noqa: BLE001 - reported like the interpreter would

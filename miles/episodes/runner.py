@@ -225,7 +225,8 @@ class EpisodeRunner:
         episode_task = task_of(task)
         first = await self._env_call(record, "reset", env.reset(episode_task))
         with record.working():
-            context = self.renderer.first(episode_task, first, prompt_ids)
+            context = self.renderer.first(episode_task, first, prompt_ids,
+                                          tools=env.tool_schemas())
             record.prompt = list(context.ids)
         return context
 

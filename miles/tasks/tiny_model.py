@@ -11,6 +11,10 @@ tokenization. `chat=True` adds the characters of tags (`<`, `>`, `_`, newline) a
 template (`CHAT_TEMPLATE`, Jinja, saved with the tokenizer like any checkpoint's): each message is
 `<role>content`, an assistant's closed by EOS, then a newline; the generation prompt is
 `<assistant>`. The vocabulary of the plain tokenizer (78 tokens) is unchanged.
+
+`build_bpe_tokenizer` trains a tiny byte-level BPE on a given corpus instead, for what the
+character tokenizer cannot show: a text with several tokenizations (a model may sample one
+that is not the tokenizer's own), and any character (JSON of tool schemas).
 """
 
 from __future__ import annotations
@@ -47,6 +51,27 @@ def build_char_tokenizer(*, chat: bool = False, chat_template: str = CHAT_TEMPLA
         pad_token=SPECIAL_TOKENS["pad"], unk_token=SPECIAL_TOKENS["unk"])
     if chat:
         tokenizer.chat_template = chat_template
+    return tokenizer
+
+
+def build_bpe_tokenizer(corpus: list[str], *, vocab_size: int = 400,
+                        chat_template: str = CHAT_TEMPLATE):
+    """A `PreTrainedTokenizerFast`: byte-level BPE trained on `corpus` (every byte is a token,
+    frequent pairs merge), the special tokens of the character tokenizer, `chat_template`."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    core = Tokenizer(models.BPE())
+    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    core.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, show_progress=False,
+                                  special_tokens=list(SPECIAL_TOKENS.values()),
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    core.train_from_iterator(corpus, trainer)
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=core, bos_token=SPECIAL_TOKENS["bos"], eos_token=SPECIAL_TOKENS["eos"],
+        pad_token=SPECIAL_TOKENS["pad"], unk_token=SPECIAL_TOKENS["unk"])
+    tokenizer.chat_template = chat_template
     return tokenizer
 
 

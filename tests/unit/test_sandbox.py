@@ -8,7 +8,9 @@ limit of a handful so a fork bomb stays tiny on a shared machine.
 
 import asyncio
 import os
+import shutil
 import signal
+import sys
 import time
 import uuid
 from pathlib import Path
@@ -55,7 +57,7 @@ async def test_ordinary_code_works_and_its_directory_is_removed(sandbox):
     value, workdir = result.stdout.split()
     assert (result.reason, result.exit_code, result.stderr) == ("ok", 0, "")
     assert value == "2432902008176640000"
-    assert Path(workdir).name.startswith("miles-sandbox-")
+    assert Path(workdir).parent.name.startswith("miles-sandbox-")
     assert not Path(workdir).exists()
 
 
@@ -154,22 +156,30 @@ def secret_beside_the_sandboxes():
     path.unlink()
 
 
-@pytest.mark.parametrize("audit_hook", [True, pytest.param(False, marks=needs_root)])
-async def test_reading_a_file_next_door_is_refused(secret_beside_the_sandboxes, audit_hook):
-    sandbox = PythonSandbox(FAST, uid=TEST_UID, audit_hook=audit_hook)
-    result = await sandbox.run(f"print(open('../{secret_beside_the_sandboxes.name}').read())")
+def layers(hook: str, private_root: str, uid_drop: str) -> list:
+    """(audit_hook, namespaces, the refusal expected): each layer alone, the hook first."""
+    return [(True, True, hook), pytest.param(False, True, private_root, marks=needs_root),
+            pytest.param(False, False, uid_drop, marks=needs_root)]
+
+
+@pytest.mark.parametrize("audit_hook, namespaces, expected", layers(
+    "sandbox: reading", "FileNotFoundError: [Errno 2]", "PermissionError: [Errno 13]"))
+async def test_reading_a_file_next_door_is_refused(secret_beside_the_sandboxes, audit_hook,
+                                                   namespaces, expected):
+    sandbox = PythonSandbox(FAST, uid=TEST_UID, audit_hook=audit_hook, namespaces=namespaces)
+    result = await sandbox.run(f"print(open('../../{secret_beside_the_sandboxes.name}').read())")
     assert "secret" not in result.stdout and result.reason == "error"
-    expected = "sandbox: reading" if audit_hook else "PermissionError: [Errno 13] Permission denied"
     assert expected in result.stderr
 
 
-@pytest.mark.parametrize("audit_hook", [True, pytest.param(False, marks=needs_root)])
-async def test_writing_outside_the_directory_is_refused(audit_hook):
+@pytest.mark.parametrize("audit_hook, namespaces, expected", layers(
+    "sandbox: writing", "OSError: [Errno 30] Read-only file system",
+    "PermissionError: [Errno 13]"))
+async def test_writing_outside_the_directory_is_refused(audit_hook, namespaces, expected):
     target = Path("/usr/local") / f"miles-escape-{uuid.uuid4().hex}"
-    sandbox = PythonSandbox(FAST, uid=TEST_UID, audit_hook=audit_hook)
+    sandbox = PythonSandbox(FAST, uid=TEST_UID, audit_hook=audit_hook, namespaces=namespaces)
     result = await sandbox.run(f"open({str(target)!r}, 'w').write('escaped')")
     assert not target.exists() and result.reason == "error"
-    expected = "sandbox: writing" if audit_hook else "PermissionError: [Errno 13] Permission denied"
     assert expected in result.stderr
 
 
@@ -214,10 +224,114 @@ async def test_escapes_are_refused(sandbox, code, refusal):
 async def test_a_directory_the_uid_cannot_enter_is_reported_as_setup_failed(tmp_path):
     private = tmp_path / "private"
     private.mkdir(mode=0o700)
-    result = await PythonSandbox(FAST, uid=TEST_UID, tmp_root=str(private)).run("print(1)")
+    sandbox = PythonSandbox(FAST, uid=TEST_UID, tmp_root=str(private), namespaces=False)
+    result = await sandbox.run("print(1)")  # with namespaces, the private root shows it anyway
     assert result.reason == "setup_failed" and result.stdout == ""
     assert "sandbox setup failed: PermissionError" in result.stderr
     assert list(private.iterdir()) == []
+
+
+@pytest.fixture
+def run_secret():
+    """A producer's out_dir with a signing key any uid could read (a umask of 022): only a view
+    of the file system without it keeps the code from reading it."""
+    out_dir = Path("/tmp") / f"miles-out-{uuid.uuid4().hex}"
+    (out_dir / "keys").mkdir(parents=True)
+    for path in (out_dir, out_dir / "keys"):
+        path.chmod(0o755)
+    key = out_dir / "keys" / "control.key"
+    key.write_text("SECRET-KEY-MATERIAL")
+    key.chmod(0o644)
+    yield key
+    shutil.rmtree(out_dir)
+
+
+def escape_payload(secret: Path, marker: str) -> str:
+    """Code that reads `secret` and writes `marker` into /tmp and /dev/shm, printing each error."""
+    return (f"for action in (lambda: print(open({str(secret)!r}).read()),\n"
+            f"               lambda: open('/tmp/{marker}', 'w').write('escaped'),\n"
+            f"               lambda: open('/dev/shm/{marker}', 'w').write('escaped')):\n"
+            "    try:\n        action()\n    except OSError as err:\n"
+            "        print('refused:', err)\n")
+
+
+def assert_contained(result, secret: Path, marker: str) -> None:
+    assert "SECRET-KEY-MATERIAL" not in result.stdout, result.stdout
+    for directory in ("/tmp", "/dev/shm"):
+        leaked = Path(directory) / marker
+        assert not leaked.exists(), f"{leaked} written from inside the sandbox"
+
+
+NO_OP_HOOK = ("def make(own, readable):\n    def hook(event, args):\n        (own, readable)\n"
+              "    return hook\n")
+HOOK_ESCAPES = {  # each tries to switch the audit hook off; the payload runs whatever happened
+    "gc.get_objects (the audit of issue 17)":
+        "import gc\nhook = next(f for f in gc.get_objects() if type(f).__name__ == 'function'"
+        " and f.__name__ == 'hook')\nhook.__code__ = make(1, 2).__code__\n",
+    "gc.get_referrers of the bootstrap's globals":
+        "import gc, sys\nboot = sys.modules['__main__'].__dict__\nhook = next(f for f in "
+        "gc.get_referrers(boot) if getattr(f, '__name__', '') == 'hook')\n"
+        "hook.__code__ = make(1, 2).__code__\n",
+    "walking the frames":
+        "import sys\nframe = sys._getframe()\nwhile 'hook' not in frame.f_locals:\n"
+        "    frame = frame.f_back\nframe.f_locals['hook'].__code__ = make(1, 2).__code__\n",
+    "patching the bootstrap's globals":
+        "import sys\nsys.modules['__main__']._inside = lambda path, roots: True\n",
+    "patching a builtin": "import builtins\nbuiltins.any = lambda items: True\n",
+    "patching os.path.realpath": "import os\nos.path.realpath = lambda path: os.getcwd()\n",
+    "rebinding what the hook's functions hold, from a refusal's traceback":
+        "try:\n    open('/etc/hostname')\nexcept PermissionError as err:\n"
+        "    tb = err.__traceback__\nwhile tb:\n"
+        "    for value in list(tb.tb_frame.f_locals.values()):\n"
+        "        for cell in getattr(value, '__closure__', None) or ():\n"
+        "            if type(cell.cell_contents) is tuple:\n"
+        "                cell.cell_contents = ('',)\n"
+        "        if getattr(value, '__kwdefaults__', None):\n"
+        "            value.__kwdefaults__ = {k: ('',) if type(v) is tuple else v\n"
+        "                                    for k, v in value.__kwdefaults__.items()}\n"
+        "    tb = tb.tb_next\n",
+}
+
+
+@pytest.mark.parametrize("escape", HOOK_ESCAPES.values(), ids=HOOK_ESCAPES.keys())
+async def test_the_audit_hook_cannot_be_switched_off(sandbox, run_secret, escape):
+    marker = f"miles-escape-{uuid.uuid4().hex}"
+    attempt = "try:\n" + "".join(f"    {line}\n" for line in escape.splitlines()) + \
+        "except Exception as err:\n    print('escape failed:', type(err).__name__, err)\n"
+    result = await sandbox.run(NO_OP_HOOK + attempt + escape_payload(run_secret, marker))
+    assert_contained(result, run_secret, marker)
+    assert "refused: sandbox: reading" in result.stdout, result.stdout
+
+
+@needs_root
+async def test_with_the_hook_off_the_run_sees_neither_secrets_nor_shared_directories(run_secret):
+    sandbox = PythonSandbox(FAST, uid=TEST_UID, audit_hook=False)
+    if not sandbox.protections.namespaces:
+        pytest.skip("mount namespaces are not permitted here")
+    marker = f"miles-escape-{uuid.uuid4().hex}"
+    result = await sandbox.run(escape_payload(run_secret, marker) +
+                               "import os\nprint([name for name in os.listdir('/tmp') "
+                               "if not name.startswith('miles-sandbox-')])\n"
+                               f"open({sys.prefix + '/escape'!r}, 'w')\n")
+    assert_contained(result, run_secret, marker)
+    assert "refused: [Errno 2] No such file or directory" in result.stdout
+    assert f"[{marker!r}]" in result.stdout  # its /tmp holds its own write only
+    assert "OSError: [Errno 30] Read-only file system" in result.stderr
+
+
+@needs_root
+async def test_concurrent_runs_get_distinct_uids_and_cannot_see_each_other():
+    sandbox = PythonSandbox(FAST, uid=TEST_UID, audit_hook=False)
+    victim = ("import os, time\nopen('private', 'w').write('VICTIM-DATA')\n"
+              "os.chmod('private', 0o644)\nprint(os.getuid(), flush=True)\ntime.sleep(3)\n")
+    attacker = ("import os, time\ntime.sleep(1)\nprint(os.getuid())\n"
+                "for top, _, files in os.walk('/tmp'):\n"
+                "    if 'miles-sandbox-' in top and 'private' in files:\n"
+                "        print(open(top + '/private').read())\n")
+    first, second = await asyncio.gather(sandbox.run(victim), sandbox.run(attacker))
+    assert first.ok and second.ok, (first.stderr, second.stderr)
+    assert first.stdout.split()[0] != second.stdout.split()[0]
+    assert "VICTIM-DATA" not in second.stdout
 
 
 @pytest.mark.parametrize("field, value", [("cpu_s", 0), ("memory_mb", -1), ("wall_s", 0.0),
