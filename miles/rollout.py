@@ -60,7 +60,8 @@ from miles.protocol.topics import topic_name
 from miles.rl.sampling import SamplingParams
 from miles.service import wait_or_stop
 from miles.rollout_groups import EPISODE_COUNTERS, EpisodeGroups, SingleTurnGroups
-from miles.rollout_stream import ENGINE_RETRY_S, WEIGHT_UPDATES, GroupStream, RequestStream
+from miles.rollout_stream import (ENGINE_RETRY_S, WEIGHT_UPDATES, AsyncRequestStream,
+                                  GroupStream, RequestStream)
 from miles.tasks.rewards import Scorer
 from miles.weights.follower import WeightFollower
 from miles.weights.following import FollowConfig
@@ -69,7 +70,7 @@ log = logging.getLogger(__name__)
 ADMISSION_POLL_S = 0.02
 WAIT_WARN_S = 30.0  # admission waiting this long is logged (a stalled trainer or weights)
 STOP_WAIT_S = 30.0  # streaming: how long a stop or drain waits for the groups in flight
-STREAMING_ENGINES = ("hf", "vllm-server")  # a continuous batcher, or concurrent requests
+STREAMING_ENGINES = ("hf", "vllm", "vllm-server")  # a continuous batcher, or concurrent requests
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -78,7 +79,7 @@ class RolloutConfig:
     producer_id: str = "producer-0"
     sampling: SamplingParams = field(default_factory=SamplingParams)
     prompts_per_batch: int = 32  # prompts generated together in one engine call
-    max_in_flight: int = 0  # > 0: stream this many groups (hf or vllm-server engine); 0: batches
+    max_in_flight: int = 0  # > 0: stream this many groups (single-turn); 0: batches
     weight_update: str = "continue"  # streaming: continue, finish or restart running samples
     max_staleness: int = 1  # same bound as the trainer's
     groups_per_step: int = 32  # the trainer's groups per optimizer step (for admission)
@@ -111,8 +112,9 @@ class RolloutConfig:
         if self.weight_update == "continue" and engine != "hf":
             raise ConfigError(f"engine {engine!r} cannot continue a running request under new "
                               f"weights (that needs the hf engine's continuous batcher); set "
-                              f"rollout.weight_update=finish (running requests end on their "
-                              f"adapter, new ones use the new one at once) or restart")
+                              f"rollout.weight_update=finish (running requests end on the "
+                              f"weights they started with, new ones use the new version) or "
+                              f"restart")
 
 
 def timed(fn, *args) -> float:
@@ -154,8 +156,10 @@ class RolloutWorker:
             config.check_streaming(engine.name, "an environment" if env is not None else "")
             shared = (self.groups, self._in_engine, config.weight_update, config.seed,
                       self._engine_error)
-            self.stream = (GroupStream(*shared) if hasattr(engine, "streaming_sampler") else
-                           RequestStream(*shared, max_in_flight=config.max_in_flight))
+            self.stream = (
+                GroupStream(*shared) if hasattr(engine, "streaming_sampler") else
+                AsyncRequestStream(*shared) if hasattr(engine, "streaming_requests") else
+                RequestStream(*shared, max_in_flight=config.max_in_flight))
         # prompts whose groups are published, to commit
         self.commits = StreamOffsets() if self.stream else DoneOffsets()
         self.waiting: str | None = None  # what admission waits for (None: it admits)

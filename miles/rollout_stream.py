@@ -5,11 +5,14 @@ instead of generating `prompts_per_batch` at a time: each group is scored and pu
 moment its last sample ends, and a new prompt is taken at once (`miles.rollout` admits each one
 against the staleness bound, takes the prompts, publishes, and commits them out of order:
 `miles.bus.commits.StreamOffsets`). `GroupStream` keeps the groups in the HF engine's
-continuous batcher (`miles.engines.hf_stream.StreamingSampler`) and steps it; `RequestStream`
-sends each group as a call of its own (the `vllm-server` engine; see its docstring).
+continuous batcher (`miles.engines.hf_stream.StreamingSampler`) and steps it;
+`AsyncRequestStream` submits each group as a request of the in-process vLLM engine
+(`miles.engines.vllm_stream.StreamingRequests`), which batches them itself; `RequestStream`
+sends each group as a call of its own (the `vllm-server` engine). Each says how it loads.
 
 A weight version arriving mid-generation is loaded under `rollout.weight_update` (as written
-here for `GroupStream`; `RequestStream` says what it does):
+here for `GroupStream`; the vLLM engines cannot switch a running request's weights, so they
+refuse `continue`, and their `finish` needs no wait where adapters load beside requests):
 - `continue` (default): loaded between two decoding steps; running samples go on under the new
   weights (their cache is rebuilt from their tokens), each token recording the version that
   sampled it (`Sample.versions`) with the logprob under that version. The trainer's correction
@@ -31,9 +34,10 @@ token sampled under it, and published sample lengths (p50, p90, max of the last 
 
 Simplifications, chosen on purpose:
 - Single-turn groups only; episodes stream their turns within a batch
-  (`episodes.stream_turns`), and the in-process vLLM engine keeps generating in batches.
+  (`episodes.stream_turns`).
 - A decoding step that raises `EngineError` is retried after `ENGINE_RETRY_S` with the rows
-  still in flight (the batcher rebuilds their cache), counted in `producer/engine_errors`.
+  still in flight (the batcher rebuilds their cache), counted in `producer/engine_errors`; a
+  request or call that fails is submitted again after the same pause.
 """
 
 from __future__ import annotations
@@ -88,11 +92,12 @@ class Stream:
                                                 and versions.min() != versions.max())
             self.lengths.append(len(sample.response_token_ids))
 
-    def _sampled_under(self, version: int) -> None:
-        """Tokens of `version` were sampled: the first under an announced version times its
-        latency from the announcement."""
+    def _sampled_under(self, version: int, at: float | None = None) -> None:
+        """Tokens of `version` were sampled (at `at`, time.time(); None: now): the first under
+        an announced version times its latency from the announcement."""
         if self._announced is not None and version == self._announced[0]:
-            self.first_token_s.append(max(time.time() - self._announced[1], 0.0))
+            at = time.time() if at is None else at
+            self.first_token_s.append(max(at - self._announced[1], 0.0))
             self._announced = None
 
     def _metrics(self, busy_s: float | None, generated: int, wasted: int,
@@ -292,6 +297,93 @@ class RequestStream(Stream):
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+class AsyncRequestStream(Stream):
+    """Groups as requests of an engine that runs them concurrently itself and can abort them
+    (the in-process vLLM engine, `miles.engines.vllm_stream`): each group is submitted from the
+    loop and its result awaited, no thread per group. `continue` is refused (a running vLLM
+    request cannot change weights). `finish`: an adapter loads at once (requests already
+    submitted end on the adapter they named, new ones name the new one); full weights hold new
+    groups and wait until the running requests have ended, as the batcher does. `restart`: new
+    groups are held, the running requests aborted (their tokens counted wasted), the version
+    loaded, and the aborted groups submitted again. A request that fails (`EngineError`) is
+    submitted again after `ENGINE_RETRY_S`. Busy: the seconds with a request in the engine."""
+
+    def __init__(self, builder: SingleTurnGroups, in_engine: Callable[..., Awaitable],
+                 weight_update: str, seed: int, on_error: Callable[[str], Awaitable]):
+        super().__init__(builder, in_engine, weight_update, seed, on_error)
+        self.requests = builder.engine.streaming_requests()
+        self._running: set = set()  # this stream's requests in the engine
+        self._baseline = (self.requests.busy_seconds, self.requests.tokens_generated,
+                          self.requests.tokens_wasted)
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._running)
+
+    @property
+    def busy_s(self) -> float:
+        return self.requests.busy_seconds - self._baseline[0]
+
+    async def group(self, task: PromptTask, prompt: list[int], sequence: int) -> TrajectoryGroup:
+        """Generate `task`'s group as one request (again after a `restart` or a failure) and
+        score it."""
+        began = time.perf_counter()
+        seed = self._seed(sequence)
+        completions = None
+        while completions is None:
+            while self.holding:  # a load is on its way: start under the new weights
+                await asyncio.sleep(0.01)
+            completions = await self._generate(prompt, seed)
+        group = await self.builder.scored_group(task, prompt, completions, sequence,
+                                                generate_s=time.perf_counter() - began)
+        self._count(group)
+        return group
+
+    async def _generate(self, prompt: list[int], seed: int) -> list | None:
+        """One request's Completions; None if a `restart` aborted it or it failed."""
+        try:
+            request = self.requests.submit(list(prompt), self.builder.sampling, seed=seed)
+            self._running.add(request)
+            try:
+                completions = await asyncio.wrap_future(request.future)
+            finally:
+                self._running.discard(request)
+        except EngineError as err:
+            log.error("a group's request failed, retrying in %g s: %s", ENGINE_RETRY_S, err)
+            await self.on_error(f"generation failed: {err}")
+            await asyncio.sleep(ENGINE_RETRY_S)
+            return None
+        if completions is not None:
+            self._sampled_under(request.served.policy_version, request.first_token_at)
+        return completions
+
+    async def run(self, done: asyncio.Event) -> None:
+        """Nothing to step: the engine runs the requests."""
+        await done.wait()
+
+    async def load(self, load: Callable[[], float], version: int, created_at: float) -> float:
+        """Load a version under the weight-update policy (see the class docstring); the engine
+        seconds it took."""
+        self._announced = (version, created_at)
+        if self.policy == "finish" and self.requests.loads_beside_requests:
+            return await self.in_engine(load)
+        self.holding = True
+        try:
+            if self.policy == "restart":
+                wasted = await self.in_engine(self.requests.abort, list(self._running))
+                self.counts["restarts"] += sum(tokens > 0 for tokens in wasted.values())
+            while self._running:  # `finish`; after an abort, until the groups have seen it
+                await asyncio.sleep(0.01)
+            return await self.in_engine(load)
+        finally:
+            self.holding = False
+
+    def extras(self) -> dict[str, float | int]:
+        return self._metrics(self.busy_s,
+                             self.requests.tokens_generated - self._baseline[1],
+                             self.requests.tokens_wasted - self._baseline[2], self.in_flight)
 
 
 async def _first(*waits: Awaitable) -> None:

@@ -3,6 +3,8 @@
 vLLM v1's `AsyncLLM` runs on a private event loop in a daemon thread. `generate` submits every
 prompt at once as its own request (its n samples through `SamplingParams.n`), so vLLM's
 continuous batching schedules them together; it waits for all and returns them in prompt order.
+A streaming producer submits and collects each prompt's request on its own instead
+(`streaming_requests()`, `miles.engines.vllm_stream`), on the same engine, versions and loads.
 
 What every request pins down (`request_values`, on top of `vllm_api.sampling_values`, which the
 server engine sends too): temperature, top-p and top-k as `process_logits` applies them (top-k
@@ -40,7 +42,8 @@ dominates.
 
 Simplifications, chosen on purpose:
 - One generate at a time (a lock); the producer calls from one thread anyway. Adapter loads do
-  not wait for it, full-weight loads do (no request may see half-replaced weights).
+  not wait for it, full-weight loads do (no request may see half-replaced weights), and refuse
+  to start while streaming requests run (`ServedVersions.replacing`).
 - Seeds as in `vllm-server`: unseeded requests draw from the engine's generator (`seed`);
   `seeded=True` gives prompt i the seed `seed + i * n` (vLLM gives sample k `seed + k`), which
   is reproducible but slows vLLM's sampler.
@@ -77,15 +80,17 @@ vLLM source read (vllm-project/vllm, path @ commit), besides those listed in `vl
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import json
 import logging
 import threading
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from miles.engines.base import Completion, LoraSettings, TokenizedEngine, checked_stop_strings
 from miles.engines.vllm_api import adapter_name, build_completion, sampling_values, stop_values
@@ -94,6 +99,9 @@ from miles.engines.vllm_weights import (LOAD_WEIGHTS_RPC, WeightLoader, check_co
                                         safetensors_files, tensor_shapes)
 from miles.errors import ConfigError, EngineError, MilesError
 from miles.rl.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from miles.engines.vllm_stream import StreamingRequests
 
 log = logging.getLogger(__name__)
 
@@ -161,6 +169,7 @@ def import_vllm() -> SimpleNamespace:
     return SimpleNamespace(AsyncEngineArgs=AsyncEngineArgs, AsyncLLM=AsyncLLM,
                            LoRARequest=LoRARequest, SamplingParams=VLLMSamplingParams,
                            FINAL_ONLY=RequestOutputKind.FINAL_ONLY,
+                           DELTA=RequestOutputKind.DELTA,
                            on_cpu=current_platform.is_cpu())
 
 
@@ -278,17 +287,38 @@ class Served:
 
 class ServedVersions:
     """Which weights serve new requests, and which retired adapters can go (never one that a
-    running generate uses). Pure bookkeeping, thread-safe."""
+    running generate or streaming request uses); and no request while a full-weight load
+    replaces the weights under all of them (`replacing`). Pure bookkeeping, thread-safe."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self.current = Served(0)
-        self._users: Counter[Served] = Counter()  # running generates per Served
+        self._users: Counter[Served] = Counter()  # running generates and requests per Served
+        self._replacing = False
 
     def acquire(self) -> Served:
         with self._lock:
+            if self._replacing:
+                raise EngineError("a full-weight load is replacing the weights; no request "
+                                  "can start meanwhile")
             self._users[self.current] += 1
             return self.current
+
+    @contextlib.contextmanager
+    def replacing(self) -> Iterator[None]:
+        """Held while full weights are copied in: EngineError if any request runs (it would
+        see half-replaced weights), and `acquire` refuses until it ends."""
+        with self._lock:
+            running = sum(self._users.values())
+            if running:
+                raise EngineError(f"{running} requests run on the weights a full-weight load "
+                                  f"would replace; let them end or abort them first")
+            self._replacing = True
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._replacing = False
 
     def release(self, served: Served) -> list[Served]:
         """A generate on `served` ended; the adapters to remove now."""
@@ -330,6 +360,7 @@ class VLLMEngine(TokenizedEngine):
         self._lora_ids = itertools.count(1)  # vLLM's adapter ids: unique and > 0
         self._broken = ""  # why the weights are unknown (a full load failed part-way)
         self._checkpoint_shapes = self._base_shapes(model_dir) if lora is None else {}
+        self._streaming: StreamingRequests | None = None
         self._vllm = import_vllm()
         args = self._vllm.AsyncEngineArgs(**engine_args(model_dir, settings, self._max_lora_rank,
                                                          on_cpu=self._vllm.on_cpu))
@@ -376,6 +407,15 @@ class VLLMEngine(TokenizedEngine):
                                      stop_strings=stops)
                 for i, output in enumerate(outputs)]
 
+    def streaming_requests(self) -> StreamingRequests:
+        """Requests submitted and collected one by one on this engine (`miles.engines.
+        vllm_stream`), built on first use; they share its vLLM, versions and weight loads."""
+        if self._streaming is None:
+            from miles.engines.vllm_stream import StreamingRequests
+
+            self._streaming = StreamingRequests(self)
+        return self._streaming
+
     def warm_up(self) -> None:
         """One short generate, so the first real batch does not pay for lazy initialisation."""
         prompt = self.encode("Hello") or [self._eos_token_id]
@@ -405,7 +445,7 @@ class VLLMEngine(TokenizedEngine):
         if self._checkpoint_shapes:
             check_covers(tensor_shapes(files), self._checkpoint_shapes, Path(weights))
         files = [str(f) for f in files]
-        with self._load_lock, self._generate_lock:
+        with self._load_lock, self._generate_lock, self._versions.replacing():
             if self._broken:
                 raise MilesError(self._broken)
             try:
@@ -477,18 +517,34 @@ class VLLMEngine(TokenizedEngine):
             return future.result(self.settings.timeout_s)
         except TimeoutError as err:
             future.cancel()  # cancels the task, which aborts its vLLM requests
-            raise EngineError(f"{what}: no answer within {self.settings.timeout_s} s") from err
+            raise self._failure(what, err) from err
         except Exception as err:  # vLLM's errors, wrapped at the boundary
-            cause = err.exceptions[0] if isinstance(err, ExceptionGroup) else err
-            if getattr(self._llm, "errored", False):
-                raise MilesError(f"{what}: the vLLM engine died: {cause!r}") from err
-            raise EngineError(f"{what}: {cause!r}") from err
+            raise self._failure(what, err) from err
+
+    def _failure(self, what: str, err: BaseException) -> MilesError:
+        """vLLM's error `err` as this engine raises it: EngineError (a timeout, a failed call),
+        or MilesError if the engine died with it (nothing to retry)."""
+        cause = err.exceptions[0] if isinstance(err, ExceptionGroup) else err
+        if isinstance(cause, TimeoutError):
+            return EngineError(f"{what}: no answer within {self.settings.timeout_s} s")
+        if getattr(self._llm, "errored", False):
+            return MilesError(f"{what}: the vLLM engine died: {cause!r}")
+        return EngineError(f"{what}: {cause!r}")
 
     def _remove_adapters(self, retired: list[Served]) -> None:
-        """Remove retired adapters from vLLM; a failure is logged, not raised."""
+        """Remove retired adapters from vLLM, from any thread but the engine's loop."""
+        if not retired:
+            return
+        try:
+            self._call(self._drop_adapters(retired), "remove adapters")
+        except EngineError as err:  # a timeout: vLLM removes them later or never
+            log.warning("adapters may stay loaded in vLLM: %s", err)
+
+    async def _drop_adapters(self, retired: list[Served]) -> None:
+        """Remove retired adapters from vLLM, on the engine's loop; a failure is logged, not
+        raised (the adapter only takes a slot)."""
         for served in retired:
             try:
-                self._call(self._llm.remove_lora(served.lora.lora_int_id),
-                           f"remove adapter {served.lora.lora_name}")
-            except EngineError as err:
-                log.warning("adapter %s stays loaded in vLLM: %s", served.lora.lora_name, err)
+                await self._llm.remove_lora(served.lora.lora_int_id)
+            except Exception as err:  # vLLM's errors, wrapped at the boundary
+                log.warning("adapter %s stays loaded in vLLM: %r", served.lora.lora_name, err)

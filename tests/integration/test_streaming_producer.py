@@ -159,12 +159,13 @@ async def test_a_version_announced_mid_generation_under_each_policy(model_dir, a
 
 
 def test_streaming_is_refused_where_it_cannot_run():
-    with pytest.raises(ConfigError, match="max_in_flight"):
-        ProducerSettings(engine="vllm", rollout=RolloutConfig(max_in_flight=4))
-    with pytest.raises(ConfigError, match="weight_update=finish"):
-        ProducerSettings(engine="vllm-server", rollout=RolloutConfig(max_in_flight=4))
-    ProducerSettings(engine="vllm-server", rollout=RolloutConfig(max_in_flight=4,
-                                                                 weight_update="restart"))
+    for engine in ("vllm", "vllm-server"):  # a running vLLM request cannot change weights
+        with pytest.raises(ConfigError, match=f"engine '{engine}' cannot continue.*"
+                                              f"weight_update=finish"):
+            ProducerSettings(engine=engine, rollout=RolloutConfig(max_in_flight=4))
+        for policy in ("finish", "restart"):
+            ProducerSettings(engine=engine, rollout=RolloutConfig(max_in_flight=4,
+                                                                  weight_update=policy))
     with pytest.raises(ConfigError, match="max_in_flight"):
         ProducerSettings(env="calculator", rollout=RolloutConfig(max_in_flight=4))
     with pytest.raises(ConfigError, match="weight_update"):
@@ -223,6 +224,63 @@ async def test_a_version_loaded_while_server_requests_run(tmp_path, policy):
         assert models == ["tiny", "tiny", "miles-v1", "miles-v1"] and versions == {1}
         assert extras["restarted_groups"] == 2 and extras["tokens_wasted"] == 2 * 2 * 3
     assert fake.posted("/v1/unload_lora_adapter") == []  # the base model is never unloaded
+
+
+@pytest.mark.parametrize("policy", ["finish", "restart"])
+async def test_full_weights_wait_for_the_in_process_vllm_requests(tmp_path, monkeypatch,
+                                                                  policy):
+    """engine=vllm streams its groups as requests (against the fake AsyncLLM of
+    tests/unit/test_vllm_engine.py; the real one is tests/vllm/test_stream.py). Full weights
+    cannot load under running requests: under `finish` the load waits, holding new groups,
+    until both requests in flight have ended (on version 0), and the third group starts on
+    version 1; under `restart` the two are aborted at once and generated again on version 1."""
+    from safetensors.torch import save_file
+
+    from miles.engines import vllm_engine
+    from tests.unit.test_vllm_engine import FAKE_VLLM
+
+    monkeypatch.setattr(vllm_engine, "import_vllm", lambda: FAKE_VLLM)
+    engine = vllm_engine.VLLMEngine(tokenizer_folder(tmp_path / "tok", vocab_size=VOCAB),
+                                    vllm_engine.VLLMEngineSettings(timeout_s=5.0), lora=None)
+    llm, warmed = engine._llm, len(engine._llm.requests)
+    record = write_version(tmp_path / "weights", policy_version=1, step=1, base_model="tiny",
+                           fmt="full", write=lambda folder: save_file(
+                               {"w": torch.zeros(2)}, folder / "model.safetensors"))
+    run = f"vllm-full-{policy}"
+    try:
+        async with open_bus("embedded://") as bus:
+            await bus.create_topics(run_topics(run, prompt_partitions=1,
+                                               trajectory_partitions=1))
+            worker = RolloutWorker(bus, engine, Scorer(starts_with_digit), RolloutConfig(
+                run=run, base_model="tiny", weights=FollowConfig(store=tmp_path / "weights"),
+                heartbeat_s=60, max_staleness=100, max_in_flight=2, weight_update=policy,
+                sampling=SamplingParams(n=2, max_new_tokens=3)))
+            stop = asyncio.Event()
+            running = asyncio.create_task(worker.run(stop))
+            try:
+                llm.gate.clear()
+                await feed(bus, run, arithmetic_problems("train")[:3], shuffle=False)
+                await wait_for(lambda: len(llm.requests) == warmed + 2)
+                await bus.publish(topic_name(run, "control"), encode(record))
+                if policy == "finish":
+                    await wait_for(lambda: worker.stream.holding)
+                    await asyncio.sleep(0.3)
+                    assert engine.policy_version == 0 and len(llm.requests) == warmed + 2
+                else:
+                    await wait_for(lambda: engine.policy_version == 1)
+                    assert len(llm.cancelled) == 2
+                llm.gate.set()
+                await wait_for(lambda: worker.counts["producer/groups"] == 3)
+            finally:
+                stop.set()
+                await asyncio.wait_for(running, 30)
+            groups = await published(bus, run, 3)
+    finally:
+        engine.close()
+    versions = [{int(v) for s in g.samples for v in s.versions} for g in groups]
+    assert versions == ([{0}, {0}, {1}] if policy == "finish" else [{1}, {1}, {1}])
+    assert [values["output_kind"] for _, values, _ in llm.requests[warmed:]] == ["DELTA"] * (
+        3 if policy == "finish" else 5)
 
 
 async def test_a_restart_whose_load_fails_generates_its_groups_again(model_dir, adapters,

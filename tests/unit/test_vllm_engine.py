@@ -16,6 +16,7 @@ import json
 import logging
 import math
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -116,6 +117,7 @@ class FakeAsyncLLM:
     args: dict
     requests: list = field(default_factory=list)  # (prompt ids, sampling values, lora_request)
     cancelled: list = field(default_factory=list)
+    aborted: list = field(default_factory=list)  # ids aborted by `abort`
     added: list = field(default_factory=list)
     removed: list = field(default_factory=list)
     rpcs: list = field(default_factory=list)
@@ -154,6 +156,9 @@ class FakeAsyncLLM:
             raise
         yield self.reply(ids, sampling_params)
 
+    async def abort(self, request_id, internal=False):
+        self.aborted.append(request_id)
+
     async def add_lora(self, lora_request):
         self._maybe_fail("add_lora")
         self.added.append(lora_request)
@@ -178,7 +183,7 @@ class FakeAsyncLLM:
 
 
 FAKE_VLLM = SimpleNamespace(AsyncEngineArgs=dict, AsyncLLM=FakeAsyncLLM, LoRARequest=LoRARequest,
-                            SamplingParams=FakeSamplingParams, FINAL_ONLY="FINAL_ONLY",
+                            SamplingParams=FakeSamplingParams, FINAL_ONLY="FINAL_ONLY", DELTA="DELTA",
                             on_cpu=False)
 
 
@@ -282,6 +287,19 @@ def test_served_versions_keep_an_adapter_while_it_is_used():
     assert versions.switch(v5) == []  # v3 is still in use
     assert versions.release(running) == [v3]
     assert versions.switch(Served(6, lora="adapter-6")) == [v5]  # unused: goes at once
+
+
+def test_no_request_starts_while_full_weights_replace_the_weights():
+    versions = ServedVersions()
+    running = versions.acquire()
+    with pytest.raises(EngineError, match="1 requests run on the weights"):
+        with versions.replacing():
+            pass
+    versions.release(running)
+    with versions.replacing():
+        with pytest.raises(EngineError, match="no request can start"):
+            versions.acquire()
+    assert versions.acquire() is versions.current  # after the load
 
 
 # -- parsing vLLM's outputs -----------------------------------------------------------------------
@@ -614,6 +632,52 @@ def test_weight_loader_uses_the_workers_reload_and_reties_the_head(tmp_path):
     assert worker.miles_load_safetensors([str(tmp_path / "a.safetensors")]) == []
     assert [name for name, _ in reloaded] == ["embed.weight"]
     assert model.lm_head.weight is embed.weight and model.lm_head.processed == 1
+
+
+def test_streaming_requests_abort_and_wait_for_full_weights(make_engine, tmp_path):
+    """Requests submitted one by one run beside each other; a full-weight load is refused while
+    they run; `abort` cancels them in vLLM (and by id) and resolves them to None; those
+    submitted after the load carry its version."""
+    from safetensors.torch import save_file
+
+    engine, llm = make_engine(lora=None)
+    requests, warmed = engine.streaming_requests(), len(llm.requests)
+    llm.gate.clear()
+    running = [requests.submit(p, PARAMS) for p in PROMPTS]
+    wait(lambda: len(llm.requests) == warmed + 2 and requests.in_flight == 2)
+    assert [values["output_kind"] for _, values, _ in llm.requests[warmed:]] == ["DELTA"] * 2
+    weights = tmp_path / "model.safetensors"
+    save_file({"w": torch.zeros(2)}, weights)
+    with pytest.raises(EngineError, match="2 requests run on the weights"):
+        engine.load_full_weights(weights, 1)
+    assert requests.abort(running) == {r: 0 for r in running}
+    assert [r.future.result(0) for r in running] == [None, None]
+    assert len(llm.cancelled) == 2 and llm.aborted == [[r.request_id for r in running]]
+    engine.load_full_weights(weights, 1)
+    llm.gate.set()
+    groups = [requests.submit(p, PARAMS).future.result(5) for p in PROMPTS]
+    assert [[c.token_ids.tolist() for c in g] for g in groups] == [
+        [[6, EOS], [7, EOS]], [[7, EOS], [8, EOS]]]
+    assert {c.policy_version for g in groups for c in g} == {1}
+    assert requests.tokens_generated == 8 and requests.in_flight == 0
+
+
+def test_a_cancelled_streaming_request_is_aborted(make_engine):
+    engine, llm = make_engine()
+    requests = engine.streaming_requests()
+    llm.gate.clear()
+    warmed = len(llm.requests)
+    request = requests.submit(PROMPTS[0], PARAMS)
+    wait(lambda: len(llm.requests) > warmed)
+    request.future.cancel()  # the producer stopped waiting for it
+    wait(lambda: llm.cancelled and requests.in_flight == 0)
+
+
+def wait(condition, timeout_s: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.005)
 
 
 def test_vllm_errors_become_engine_errors(make_engine):

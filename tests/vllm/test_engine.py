@@ -1,5 +1,6 @@
 """The in-process engine (engine "vllm") on the real vLLM: sampling, logprobs against the
-trainer's, LoRA versions while requests run, full-weight loads, timeouts and aborts."""
+trainer's, LoRA versions while requests run, full-weight loads (also beside streaming
+requests), timeouts and aborts."""
 
 from __future__ import annotations
 
@@ -83,15 +84,10 @@ def test_full_weights_load_in_place_and_the_prefix_cache_is_reset(full_engine, v
     """A long prompt sampled before the load is in the prefix cache; after the load its
     logprobs must be the new weights', which they are only if the cached KV blocks of the old
     weights were dropped."""
-    from safetensors.torch import load_file, save_file
-
     assert full_engine._llm.vllm_config.cache_config.enable_prefix_caching
     prompts = prompts_of(full_engine, ["1+2+3+4+5+6+7+8+9+10+11+12+13+14+15+16+17+18+19+20="])
     full_engine.generate(prompts, PARAMS)
-    new_dir = shutil.copytree(vllm_model_dir, tmp_path / "v1")
-    state = load_file(new_dir / "model.safetensors")
-    save_file({k: v * 0.5 if k.endswith("embed_tokens.weight") else v
-               for k, v in state.items()}, new_dir / "model.safetensors")
+    new_dir = scaled_checkpoint(vllm_model_dir, tmp_path / "v1", 0.5)
     full_engine.load_version(new_dir, 1, "full")
     groups = full_engine.generate(prompts, PARAMS)
     assert full_engine.policy_version == 1
@@ -100,6 +96,31 @@ def test_full_weights_load_in_place_and_the_prefix_cache_is_reset(full_engine, v
     assert gap <= TIER.logprob_tolerance, gap
     old_gap = mean_logprob_gap(trainer_model(vllm_model_dir), prompts, groups, PARAMS)
     assert old_gap > 100 * TIER.logprob_tolerance  # the load changed what is sampled
+
+
+def test_streaming_requests_and_a_full_weight_load(full_engine, vllm_model_dir, tmp_path):
+    """Streaming requests run side by side; a full-weight load is refused while they run (it
+    would replace their weights under them); `abort` ends them in vLLM (futures None, tokens
+    counted wasted); requests submitted after the load run on the new weights."""
+    requests = full_engine.streaming_requests()
+    version, wasted_before = full_engine.policy_version + 1, requests.tokens_wasted
+    prompts = prompts_of(full_engine, [f"{i}*{i}=" for i in range(3)])
+    running = [requests.submit(p, LONG) for p in prompts]
+    wait_for(lambda: all(r.tokens > 0 for r in running), "tokens from every request")
+    new_dir = scaled_checkpoint(vllm_model_dir, tmp_path / "v", 0.25)
+    with pytest.raises(EngineError, match="3 requests run on the weights"):
+        full_engine.load_version(new_dir, version, "full")
+    wasted = requests.abort(running)
+    assert [r.future.result(0) for r in running] == [None] * 3
+    assert all(wasted[r] >= 1 for r in running)
+    assert requests.tokens_wasted - wasted_before == sum(wasted.values())
+    assert full_engine._llm.get_num_unfinished_requests() == 0 and requests.in_flight == 0
+    full_engine.load_version(new_dir, version, "full")
+    after = [requests.submit(p, PARAMS) for p in prompts[:2]]
+    groups = [r.future.result(TIER.settings.timeout_s) for r in after]
+    assert {c.policy_version for g in groups for c in g} == {version}
+    gap = mean_logprob_gap(trainer_model(new_dir), prompts[:2], groups, PARAMS)
+    assert gap <= TIER.logprob_tolerance, gap
 
 
 def test_a_generate_past_its_timeout_aborts_its_requests(full_engine):
@@ -143,6 +164,17 @@ def test_a_lora_version_lands_while_requests_run(lora_engine, vllm_model_dir, tm
     assert mean_logprob_gap(model, prompts[:2], groups, PARAMS) <= TIER.logprob_tolerance
     base_gap = mean_logprob_gap(trainer_model(vllm_model_dir), prompts[:2], groups, PARAMS)
     assert base_gap > 100 * TIER.logprob_tolerance  # the adapter changed what is sampled
+
+
+def scaled_checkpoint(model_dir, out, factor: float):
+    """A copy of the checkpoint with its embeddings scaled by `factor`: other full weights."""
+    from safetensors.torch import load_file, save_file
+
+    new_dir = shutil.copytree(model_dir, out)
+    state = load_file(new_dir / "model.safetensors")
+    save_file({k: v * factor if k.endswith("embed_tokens.weight") else v
+               for k, v in state.items()}, new_dir / "model.safetensors")
+    return new_dir
 
 
 def wait_for(condition, what: str, timeout_s: float = IN_FLIGHT_WAIT_S) -> None:
