@@ -22,15 +22,12 @@ episode fails (give the task as messages).
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
-
 
 from miles.envs import Observation, Task
 from miles.errors import EpisodeError, MilesError
 from miles.protocol import PromptTask
-
-MESSAGES_KEY = "messages"  # PromptTask.metadata key holding a conversation as a JSON list
+from miles.tasks.messages import MESSAGES_KEY, parse_messages
 
 
 @dataclass
@@ -53,11 +50,21 @@ def task_of(prompt: PromptTask) -> Task:
     if raw is None:
         return Task(prompt.prompt, prompt.reference, metadata)
     try:
-        messages = json.loads(raw) if isinstance(raw, str) else None
-        return Task(messages, prompt.reference, metadata)
+        return Task(parse_messages(raw), prompt.reference, metadata)
     except (ValueError, MilesError) as err:
         raise EpisodeError("bad_task", f"metadata.{MESSAGES_KEY} is not a JSON list of "
                                       f"messages: {err}") from None
+
+
+def prompt_ids(engine, prompt: PromptTask) -> list[int]:
+    """The ids a prompt starts from, on every path (single-turn, episodes, evaluation): a
+    conversation's chat rendering, else `prompt_token_ids`, else the encoded prompt text;
+    EpisodeError ("bad_task", "template") if the conversation is malformed or does not render."""
+    if MESSAGES_KEY in prompt.metadata:
+        return Renderer(engine).first(task_of(prompt), None, None).ids
+    if prompt.prompt_token_ids is not None:
+        return prompt.prompt_token_ids.tolist()
+    return engine.encode(prompt.prompt)
 
 
 class Renderer:
