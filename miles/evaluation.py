@@ -32,7 +32,8 @@ from miles.bus import Bus
 from miles.bus.decoding import DecodingConsumer
 from miles.engines.base import LoraSettings, RolloutEngine
 from miles.envs import EnvironmentFactory
-from miles.episodes import EpisodeRecord, EpisodeRunner, EpisodeSettings, prompt_ids
+from miles.episodes import (EpisodeRecord, EpisodeRunner, EpisodeSettings, check_stop_strings,
+                            prompt_ids)
 from miles.errors import MilesError
 from miles.feeder import prompt_task
 from miles.protocol import Heartbeat, WeightVersion
@@ -134,6 +135,8 @@ class Evaluator:
         self.weights = weights or FollowConfig()  # the weight store and the trainer's key
         self.verifier = Verifier(self.weights.public_key, who="evaluator")
         self.engine = HFEngine(model_dir, lora=lora)
+        if episodes is not None:
+            check_stop_strings(self.engine, episodes.factory)
         self.curve = Curve()
         self.announced = -1  # policy version of the newest announcement taken as a candidate
         self.producer_generate_s: dict[str, float] = {}

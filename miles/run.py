@@ -174,7 +174,7 @@ def warm_start(config: RunConfig, should_stop: Callable[[], bool] = lambda: Fals
         return Path(config.model_dir)
     task = config.prompts if config.prompts in BUILT_IN else "arithmetic"
     pairs = WARM_STARTS.get((task, config.env))
-    chat = task in CHAT_TASKS
+    chat = task in CHAT_TASKS or bool(config.env)  # an environment's tags need '<', '>', '_'
     keyed = {**asdict(config.sft), "task": task}
     if pairs is not None or chat:  # the arithmetic demos keep their cache key
         keyed |= {"env": config.env if pairs is not None else "", "chat": chat}

@@ -25,7 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from miles.envs import Observation, Task
-from miles.errors import EpisodeError, MilesError
+from miles.errors import ConfigError, EpisodeError, MilesError
 from miles.protocol import PromptTask
 from miles.tasks.messages import MESSAGES_KEY, parse_messages
 
@@ -67,12 +67,42 @@ def prompt_ids(engine, prompt: PromptTask) -> list[int]:
     return engine.encode(prompt.prompt)
 
 
+def unknown_token_id(engine) -> int | None:
+    """The id of the engine's tokenizer's unknown token (None: none, or no tokenizer here)."""
+    return getattr(getattr(engine, "tokenizer", None), "unk_token_id", None)
+
+
+def check_stop_strings(engine, factory) -> None:
+    """ConfigError, at start-up, if the environment's stop strings encode to the engine's
+    unknown token: the model could never write them (a turn would never end on a tool call)
+    and observations in the same characters would reach it as unknown tokens. Read from the
+    environment class (`factory` or the `functools.partial` around it); a factory of another
+    kind is not checked."""
+    target = getattr(factory, "func", factory)
+    unk = unknown_token_id(engine)
+    if unk is None or not isinstance(target, type):
+        return
+    for stop in getattr(target, "stop_strings", ()):
+        if unk in engine.encode(stop):
+            raise ConfigError(
+                f"env {target.__module__}.{target.__qualname__}: its stop string {stop!r} "
+                f"encodes to the unknown token with engine {engine.name!r}'s tokenizer: the "
+                "model could never end a turn with it. Use a tokenizer that has its characters "
+                "(the built-in tiny model's chat tokenizer, chosen whenever `env` is set, has "
+                "'<', '>', '_')")
+
+
 class Renderer:
     """Renders an engine's episodes: text via `engine.encode`, chat via its tokenizer."""
 
     def __init__(self, engine):
         self.engine = engine
         self.tokenizer = getattr(engine, "tokenizer", None)
+        self.unk_id = unknown_token_id(engine)
+
+    def unknown(self, ids: list[int]) -> bool:
+        """Whether `ids` hold the tokenizer's unknown token (text the model cannot read)."""
+        return self.unk_id is not None and self.unk_id in ids
 
     def first(self, task: Task, first: Observation | None,
               prompt_ids: list[int] | None) -> Context:
