@@ -32,9 +32,11 @@ from miles.bus import Bus
 from miles.bus.decoding import DecodingConsumer
 from miles.engines.base import LoraSettings, RolloutEngine
 from miles.envs import EnvironmentFactory
-from miles.episodes import EpisodeRecord, EpisodeRunner, EpisodeSettings
+from miles.episodes import (EpisodeRecord, EpisodeRunner, EpisodeSettings, check_stop_strings,
+                            prompt_ids)
 from miles.errors import MilesError
-from miles.protocol import Heartbeat, PromptTask, WeightVersion
+from miles.feeder import prompt_task
+from miles.protocol import Heartbeat, WeightVersion
 from miles.protocol.topics import topic_name
 from miles.rl.sampling import SamplingParams
 from miles.service import wait_or_stop
@@ -62,7 +64,8 @@ def greedy_answers(engine: RolloutEngine, problems: list[Problem], *,
                    max_new_tokens: int = 8) -> list[str]:
     """The greedy response to each problem, decoded and cut at end-of-sequence (blocking)."""
     params = replace(GREEDY, max_new_tokens=max_new_tokens)
-    outputs = engine.generate([engine.encode(p.prompt) for p in problems], params, seed=0)
+    outputs = engine.generate([prompt_ids(engine, prompt_task(p)) for p in problems], params,
+                              seed=0)
     return [engine.decode(c.token_ids[:-1] if c.finish_reason == "stop" else c.token_ids)
             for (c,) in outputs]
 
@@ -78,8 +81,7 @@ async def greedy_episodes(engine: RolloutEngine, problems: list[Problem],
     runner = EpisodeRunner(engine, episodes.factory, episodes.settings,
                            replace(GREEDY, max_new_tokens=episodes.turn_tokens),
                            generate_in_engine=generate)
-    tasks = [(PromptTask(task_id=p.task_id, prompt=p.prompt, reference=p.answer,
-                         created_at=0.0), engine.encode(p.prompt)) for p in problems]
+    tasks = [(task, prompt_ids(engine, task)) for task in map(prompt_task, problems)]
     return [record for (record,) in await runner.run(tasks, seed=0)]
 
 
@@ -133,6 +135,8 @@ class Evaluator:
         self.weights = weights or FollowConfig()  # the weight store and the trainer's key
         self.verifier = Verifier(self.weights.public_key, who="evaluator")
         self.engine = HFEngine(model_dir, lora=lora)
+        if episodes is not None:
+            check_stop_strings(self.engine, episodes.factory)
         self.curve = Curve()
         self.announced = -1  # policy version of the newest announcement taken as a candidate
         self.producer_generate_s: dict[str, float] = {}

@@ -53,8 +53,8 @@ from miles.bus.commits import DoneOffsets, StreamOffsets
 from miles.bus.decoding import Decoded, DecodingConsumer
 from miles.engines.base import RolloutEngine, prompt_problem
 from miles.envs import EnvironmentFactory
-from miles.episodes import EpisodeSettings
-from miles.errors import ConfigError, EngineError
+from miles.episodes import EpisodeSettings, prompt_ids
+from miles.errors import ConfigError, EngineError, EpisodeError
 from miles.protocol import ALL_TARGETS, Command, Heartbeat, PromptTask, WeightVersion, encode
 from miles.protocol.topics import topic_name
 from miles.rl.sampling import SamplingParams
@@ -312,7 +312,12 @@ class RolloutWorker:
         dead-lettered (and committed past with the batch) instead of retried."""
         takeable = []
         for item in batch:
-            ids = self._prompt_ids(item.value)
+            try:
+                ids = prompt_ids(self.engine, item.value)
+            except EpisodeError as err:  # a malformed conversation, or one that cannot render
+                self.counts["producer/bad_prompts"] += 1
+                await prompts.dead_letter(item.record, f"metadata.messages: {err}", "messages")
+                continue
             problem = prompt_problem(ids, self.engine.vocab_size)
             if problem is None:
                 takeable.append((item, ids))
@@ -405,11 +410,6 @@ class RolloutWorker:
         self.counts["producer/tokens"] += sum(s.policy_tokens for g in groups for s in g.samples)
         self.counts["producer/generate_s"] += self.groups.generate_s
         self.counts["producer/other_s"] += time.perf_counter() - began - self.groups.generate_s
-
-    def _prompt_ids(self, task: PromptTask) -> list[int]:
-        if task.prompt_token_ids is not None:
-            return task.prompt_token_ids.tolist()
-        return self.engine.encode(task.prompt)
 
     # -- control ------------------------------------------------------------------------------
 

@@ -20,7 +20,10 @@
 
 Counters (`producer/...`): `episodes`, `turns`, `tool_calls`, `tool_errors`, `env_s`,
 `work_s` (the producer's own time on episodes: decoding, rendering, building samples),
-`failed_episodes`, `failed/<kind>`, `truncated_episodes`, `empty_groups`.
+`failed_episodes`, `failed/<kind>`, `truncated_episodes`, `empty_groups`, `unk_observations`
+(observations holding the tokenizer's unknown token: the model cannot read them; warned once).
+An environment whose stop strings the tokenizer cannot write stops the producer at start-up
+(`miles.episodes.check_stop_strings`).
 """
 
 from __future__ import annotations
@@ -34,7 +37,8 @@ import numpy as np
 
 from miles.engines.base import Completion, RolloutEngine
 from miles.envs import EnvironmentFactory
-from miles.episodes import EpisodeRecord, EpisodeRunner, EpisodeSettings, is_single_turn
+from miles.episodes import (EpisodeRecord, EpisodeRunner, EpisodeSettings, check_stop_strings,
+                            is_single_turn)
 from miles.errors import CodecError
 from miles.protocol import PromptTask, Sample, TrajectoryGroup, encode
 from miles.protocol.records import failed_episode_reason
@@ -44,7 +48,7 @@ from miles.tasks.rewards import Scored, Scorer
 log = logging.getLogger(__name__)
 Batch = list[tuple[PromptTask, list[int]]]
 EPISODE_COUNTERS = ("episodes", "turns", "tool_calls", "tool_errors", "env_s", "work_s",
-                    "failed_episodes", "truncated_episodes", "empty_groups")
+                    "failed_episodes", "truncated_episodes", "empty_groups", "unk_observations")
 
 
 @dataclass(frozen=True, slots=True)
@@ -130,6 +134,7 @@ class EpisodeGroups(GroupBuilder):
                  settings: EpisodeSettings, in_engine: Callable):
         super().__init__(engine, sampling, producer_id, counts)
         self.factory, self.settings, self.in_engine = factory, settings, in_engine
+        check_stop_strings(engine, factory)
         self.compact = is_single_turn(factory)
         for name in EPISODE_COUNTERS:
             counts.setdefault(f"producer/{name}", 0)
@@ -207,6 +212,10 @@ class EpisodeGroups(GroupBuilder):
         counts["producer/env_s"] += episode.env_s
         counts["producer/work_s"] += episode.work_s
         counts["producer/truncated_episodes"] += episode.truncated is not None
+        if episode.unk_observations and not counts["producer/unk_observations"]:
+            log.warning("an observation holds the tokenizer's unknown token: the model reads "
+                        "it as <unk> (counted in producer/unk_observations)")
+        counts["producer/unk_observations"] += episode.unk_observations
         if episode.failed:
             counts["producer/failed_episodes"] += 1
             key = f"producer/failed/{episode.failure_kind}"

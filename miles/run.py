@@ -42,7 +42,7 @@ from miles.engines.base import LoraSettings, RolloutEngine
 from miles.engines.hf import HFEngine
 from miles.engines.vllm_engine import VLLMEngineSettings
 from miles.engines.vllm_server import VLLMServerSettings
-from miles.envs import EnvironmentFactory, load_environment
+from miles.envs import EnvironmentFactory, SandboxLimits, ToolSettings, load_environment
 from miles.episodes import EpisodeSettings
 from miles.errors import ConfigError, MilesError
 from miles.evaluation import EpisodeEval, Evaluator
@@ -90,6 +90,8 @@ class RunConfig:
     dataset: DatasetFormat = field(default_factory=DatasetFormat)  # the prompts' field names
     env: str = ""  # the producer's environment (calculator, python, module:Name); "": single-turn
     episodes: EpisodeSettings = field(default_factory=EpisodeSettings)  # limits when env is set
+    tools: ToolSettings = field(default_factory=ToolSettings)  # a tool environment's limits
+    sandbox: SandboxLimits = field(default_factory=SandboxLimits)  # the python env's sandbox
     eval_prompts: str | None = None  # held-out problems (default: `prompts`' test split)
     reward: str = "exact_match"  # exact_match, math, format[:REGEX], rm:PATH or module:function
     reward_timeout_s: float = 10.0  # per reward call; a timed-out sample gets 0.0 and an error
@@ -174,7 +176,7 @@ def warm_start(config: RunConfig, should_stop: Callable[[], bool] = lambda: Fals
         return Path(config.model_dir)
     task = config.prompts if config.prompts in BUILT_IN else "arithmetic"
     pairs = WARM_STARTS.get((task, config.env))
-    chat = task in CHAT_TASKS
+    chat = task in CHAT_TASKS or bool(config.env)  # an environment's tags need '<', '>', '_'
     keyed = {**asdict(config.sft), "task": task}
     if pairs is not None or chat:  # the arithmetic demos keep their cache key
         keyed |= {"env": config.env if pairs is not None else "", "chat": chat}
@@ -232,7 +234,8 @@ def _check_model(path: Path) -> None:
 
 def environment(config: RunConfig, scorer: Scorer) -> EnvironmentFactory | None:
     """The run's environment factory (None: single-turn)."""
-    return load_environment(config.env, reward=scorer) if config.env else None
+    return load_environment(config.env, reward=scorer, tools=config.tools,
+                            sandbox=config.sandbox) if config.env else None
 
 
 def episode_eval(config: RunConfig, scorer: Scorer) -> EpisodeEval | None:

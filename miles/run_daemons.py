@@ -43,7 +43,7 @@ def producer_settings(config: RunConfig, model_dir: Path, index: int = 0) -> Pro
                             reward_timeout_s=config.reward_timeout_s, engine=config.engine,
                             vllm=config.vllm, vllm_server=config.vllm_server,
                             rollout=config.rollout(index), env=config.env,
-                            episodes=config.episodes)
+                            episodes=config.episodes, tools=config.tools, sandbox=config.sandbox)
 
 
 def daemon_settings(config: RunConfig, model_dir: Path) -> dict:

@@ -15,6 +15,7 @@ from miles.bus.security import KafkaSecurity
 from miles.engines.base import LoraSettings, RolloutEngine
 from miles.engines.vllm_engine import VLLMEngineSettings
 from miles.engines.vllm_server import VLLMServerSettings
+from miles.envs import SandboxLimits, ToolSettings
 from miles.episodes import EpisodeSettings
 from miles.errors import ConfigError
 from miles.rollout import RolloutConfig, RolloutWorker
@@ -37,6 +38,8 @@ class ProducerSettings:
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     env: str = ""  # environment: a built-in (single_turn, calculator, python) or module:Name
     episodes: EpisodeSettings = field(default_factory=EpisodeSettings)  # limits when env is set
+    tools: ToolSettings = field(default_factory=ToolSettings)  # a tool environment's limits
+    sandbox: SandboxLimits = field(default_factory=SandboxLimits)  # the python env's sandbox
 
     def __post_init__(self) -> None:
         if self.engine not in ENGINES:
@@ -88,7 +91,8 @@ async def run_producer(settings: ProducerSettings, stop) -> dict:
     from miles.weights.store import base_model_id
 
     scorer = resolve_reward(settings.reward, timeout_s=settings.reward_timeout_s)
-    env = load_environment(settings.env, reward=scorer) if settings.env else None
+    env = load_environment(settings.env, reward=scorer, tools=settings.tools,
+                           sandbox=settings.sandbox) if settings.env else None
     engine = build_engine(settings)
     rollout = settings.rollout
     if not rollout.base_model:  # reject versions trained on another base

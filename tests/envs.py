@@ -1,5 +1,7 @@
 """Environments for tests, importable as `tests.envs:NAME` (like `tests.rewards`)."""
 
+import time
+
 from miles.envs import Action, Environment, Step, Task, ToolEnvironment, score_final
 
 NOT_A_CLASS = 42
@@ -131,3 +133,16 @@ class SecondTry(Environment):
         if self.k == 1:
             return Step(" again:")
         return await score_final(self.reward, action.text, self.task)
+
+
+def nap(seconds: str) -> str:
+    """Sleep, then say so (a slow tool)."""
+    time.sleep(float(seconds))
+    return "rested"
+
+
+class Napper(ToolEnvironment):
+    """One slow tool in the text style: `<tool>nap: SECONDS</tool>`."""
+
+    tool_style = "text"
+    tools = (nap,)

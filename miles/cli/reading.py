@@ -41,6 +41,9 @@ def add_experience_commands(sub: argparse._SubParsersAction) -> None:
     tail.add_argument("--from", dest="start", default="latest",
                       help=f"where to start: {RANGE_HELP}")
     tail.add_argument("--limit", type=int, default=None, help="stop after this many records")
+    tail.add_argument("--model-dir", type=Path, default=None,
+                      help="decode trajectories with this checkpoint's tokenizer: each turn's "
+                           "model and environment text, reward and finish reason")
 
 
 def add_status_command(sub: argparse._SubParsersAction) -> None:
@@ -123,10 +126,20 @@ def _tail(args: argparse.Namespace) -> int:
     from miles.experience import tail
     from miles.service import run_service
 
+    tokenizer = None
+    if args.model_dir is not None:
+        from transformers import AutoTokenizer
+
+        from miles.errors import ConfigError
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(args.model_dir)
+        except (OSError, ValueError) as err:
+            raise ConfigError(f"--model-dir {args.model_dir}: no tokenizer to load ({err})") from None
+
     async def follow(stop: asyncio.Event) -> int:
         async with _reading_bus(args.bus) as bus:
             async for line in tail(bus, args.run, args.topic, raw=args.raw, start=args.start,
-                                   limit=args.limit, stop=stop):
+                                   limit=args.limit, stop=stop, tokenizer=tokenizer):
                 print(line, flush=True)
         return 0
 

@@ -25,6 +25,9 @@ def _add_dataset_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--template", default=None,
                         help="build the prompt with str.format over the row's fields instead, "
                              "e.g. $'Question: {question}\\nAnswer:' (bash $'' for a newline)")
+    parser.add_argument("--messages-field", default="messages",
+                        help="in a row without the prompt field: the conversation, a list of "
+                             "{role, content} rendered by the chat template (default: messages)")
     parser.add_argument("--answer-field", default="answer",
                         help="the field holding the reference answer (default: answer)")
     parser.add_argument("--id-field", default="id",
@@ -36,7 +39,8 @@ def _dataset_format(args: argparse.Namespace):
     from miles.tasks.datasets import DatasetFormat
 
     return DatasetFormat(prompt_field=args.prompt_field, prompt_template=args.template,
-                         answer_field=args.answer_field, id_field=args.id_field)
+                         messages_field=args.messages_field, answer_field=args.answer_field,
+                         id_field=args.id_field)
 
 
 def add_rl_commands(sub: argparse._SubParsersAction) -> None:

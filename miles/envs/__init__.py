@@ -4,7 +4,9 @@ An environment spec (the `env` setting) is a built-in name (`BUILTIN_ENVIRONMENT
 `single_turn`, today's prompt -> answer -> reward; `calculator`; `python`) or
 `package.module:Name` naming an `Environment` subclass. `load_environment` returns a factory
 that builds a fresh instance per episode; a class whose constructor takes `reward=` gets the
-run's reward `Scorer` (the built-ins all do). This package imports no engine, bus or trainer:
+run's reward `Scorer` (the built-ins all do), a `ToolEnvironment` the run's tool limits
+(`settings=`, the `tools.*` settings) and `python` (a `PythonEnv`) the process's sandbox with
+the run's limits (`sandbox.*`). This package imports no engine, bus or trainer:
 the producer drives environments, never the other way round. See docs/environments.md.
 """
 
@@ -17,7 +19,7 @@ from collections.abc import Callable
 from miles.envs.base import (FINISH_REASONS, INFO_ERROR, INFO_TOOL_CALLS, INFO_TOOL_ERRORS,
                              Action, Environment, Message, Messages, Observation, SingleTurn,
                              Step, Task, score_final)
-from miles.envs.builtin import CalculatorEnv, PythonEnv, python_tool
+from miles.envs.builtin import CalculatorEnv, PythonEnv, python_tool, shared_sandbox
 from miles.envs.calculator import calculator
 from miles.envs.sandbox import PythonSandbox, SandboxLimits, SandboxResult
 from miles.envs.tool_env import ToolEnvironment
@@ -38,7 +40,8 @@ BUILTIN_ENVIRONMENTS: dict[str, type[Environment]] = {
     "single_turn": SingleTurn, "calculator": CalculatorEnv, "python": PythonEnv}
 
 
-def load_environment(spec: str, *, reward: Scorer | None = None) -> EnvironmentFactory:
+def load_environment(spec: str, *, reward: Scorer | None = None, tools: ToolSettings | None = None,
+                     sandbox: SandboxLimits | None = None) -> EnvironmentFactory:
     """A factory of fresh environments for `spec` (see the module docstring); ConfigError
     naming the spec if it cannot be loaded or built with what is given."""
     cls = BUILTIN_ENVIRONMENTS.get(spec)
@@ -53,7 +56,11 @@ def load_environment(spec: str, *, reward: Scorer | None = None) -> EnvironmentF
     if inspect.isabstract(cls):
         raise ConfigError(f"env {spec!r} is abstract: it does not implement "
                           f"{sorted(cls.__abstractmethods__)}")
-    kwargs = {"reward": reward} if _takes_reward(cls) else {}
+    kwargs = {"reward": reward} if _takes(cls, "reward") else {}
+    if tools is not None and issubclass(cls, ToolEnvironment) and _takes(cls, "settings"):
+        kwargs["settings"] = tools
+    if sandbox is not None and issubclass(cls, PythonEnv):
+        kwargs["sandbox"] = shared_sandbox(sandbox)
     try:
         inspect.signature(cls).bind(**kwargs)
     except TypeError as err:
@@ -64,9 +71,10 @@ def load_environment(spec: str, *, reward: Scorer | None = None) -> EnvironmentF
     return functools.partial(cls, **kwargs)
 
 
-def _takes_reward(cls: type) -> bool:
+def _takes(cls: type, name: str) -> bool:
+    """Whether `cls(...)` takes keyword argument `name`."""
     try:
-        parameter = inspect.signature(cls).parameters.get("reward")
+        parameter = inspect.signature(cls).parameters.get(name)
     except (TypeError, ValueError):
         return False
     return parameter is not None and parameter.kind in (

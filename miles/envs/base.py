@@ -26,6 +26,7 @@ from types import MappingProxyType
 from typing import Any, ClassVar, Union
 
 from miles.errors import EnvError
+from miles.tasks.messages import MESSAGE_ROLES
 from miles.tasks.rewards import Scorer
 
 Message = Mapping[str, str]
@@ -37,7 +38,6 @@ FINISH_REASONS = ("stop", "stop_string", "length")
 INFO_ERROR = "error"
 INFO_TOOL_CALLS = "tool_calls"
 INFO_TOOL_ERRORS = "tool_errors"
-MESSAGE_ROLES = ("system", "user", "assistant", "tool")
 
 
 def _frozen(mapping: Mapping[str, Any], what: str) -> Mapping[str, Any]:

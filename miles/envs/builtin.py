@@ -12,7 +12,7 @@ from __future__ import annotations
 import functools
 
 from miles.envs.calculator import calculator
-from miles.envs.sandbox import PythonSandbox, SandboxResult
+from miles.envs.sandbox import PythonSandbox, SandboxLimits, SandboxResult
 from miles.envs.tool_env import ToolEnvironment
 from miles.envs.tools import Tool, ToolSettings, tool
 from miles.errors import ToolError
@@ -47,9 +47,10 @@ def sandbox_output(result: SandboxResult) -> str:
 
 
 @functools.cache
-def shared_sandbox() -> PythonSandbox:
-    """The process's sandbox for `PythonEnv` (built on first use: it probes the machine)."""
-    return PythonSandbox()
+def shared_sandbox(limits: SandboxLimits = SandboxLimits()) -> PythonSandbox:
+    """The process's sandbox with `limits` for `PythonEnv` (built on first use: it probes the
+    machine)."""
+    return PythonSandbox(limits)
 
 
 class CalculatorEnv(ToolEnvironment):
@@ -66,5 +67,5 @@ class PythonEnv(ToolEnvironment):
 
     def __init__(self, *, reward: Scorer, settings: ToolSettings | None = None,
                  sandbox: PythonSandbox | None = None):
-        box = sandbox or shared_sandbox()
-        super().__init__([python_tool(box)], reward=reward, settings=settings)
+        self.sandbox = sandbox or shared_sandbox()
+        super().__init__([python_tool(self.sandbox)], reward=reward, settings=settings)

@@ -7,9 +7,10 @@ them); `EpisodeRecord.sample()` is the wire `Sample` (1.4 episode fields). The p
 (`miles.rollout`) uses them when its `env` setting is set. See docs/environments.md.
 """
 
-from miles.episodes.rendering import MESSAGES_KEY, Context, Renderer, task_of
+from miles.episodes.rendering import (MESSAGES_KEY, Context, Renderer, check_stop_strings,
+                                      prompt_ids, task_of)
 from miles.episodes.runner import EpisodeRunner, EpisodeSettings, is_single_turn, within_budget
 from miles.episodes.samples import EpisodeRecord, Turn
 
-__all__ = ["MESSAGES_KEY", "Context", "EpisodeRecord", "EpisodeRunner", "EpisodeSettings",
-           "Renderer", "Turn", "is_single_turn", "task_of", "within_budget"]
+__all__ = ["MESSAGES_KEY", "Context", "check_stop_strings", "EpisodeRecord", "EpisodeRunner", "EpisodeSettings",
+           "Renderer", "Turn", "is_single_turn", "prompt_ids", "task_of", "within_budget"]

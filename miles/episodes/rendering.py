@@ -31,15 +31,13 @@ chat observation fails); a chat observation in a text episode fails (give the ta
 from __future__ import annotations
 
 import functools
-import json
 from dataclasses import dataclass
 from typing import Any
 
 from miles.envs import Observation, Task
-from miles.errors import EpisodeError, MilesError
+from miles.errors import ConfigError, EpisodeError, MilesError
 from miles.protocol import PromptTask
-
-MESSAGES_KEY = "messages"  # PromptTask.metadata key holding a conversation as a JSON list
+from miles.tasks.messages import MESSAGES_KEY, parse_messages
 
 
 @dataclass
@@ -67,11 +65,46 @@ def task_of(prompt: PromptTask) -> Task:
     if raw is None:
         return Task(prompt.prompt, prompt.reference, metadata)
     try:
-        messages = json.loads(raw) if isinstance(raw, str) else None
-        return Task(messages, prompt.reference, metadata)
+        return Task(parse_messages(raw), prompt.reference, metadata)
     except (ValueError, MilesError) as err:
         raise EpisodeError("bad_task", f"metadata.{MESSAGES_KEY} is not a JSON list of "
                                       f"messages: {err}") from None
+
+
+def prompt_ids(engine, prompt: PromptTask) -> list[int]:
+    """The ids a prompt starts from, on every path (single-turn, episodes, evaluation): a
+    conversation's chat rendering, else `prompt_token_ids`, else the encoded prompt text;
+    EpisodeError ("bad_task", "template") if the conversation is malformed or does not render."""
+    if MESSAGES_KEY in prompt.metadata:
+        return Renderer(engine).first(task_of(prompt), None, None).ids
+    if prompt.prompt_token_ids is not None:
+        return prompt.prompt_token_ids.tolist()
+    return engine.encode(prompt.prompt)
+
+
+def unknown_token_id(engine) -> int | None:
+    """The id of the engine's tokenizer's unknown token (None: none, or no tokenizer here)."""
+    return getattr(getattr(engine, "tokenizer", None), "unk_token_id", None)
+
+
+def check_stop_strings(engine, factory) -> None:
+    """ConfigError, at start-up, if the environment's stop strings encode to the engine's
+    unknown token: the model could never write them (a turn would never end on a tool call)
+    and observations in the same characters would reach it as unknown tokens. Read from the
+    environment class (`factory` or the `functools.partial` around it); a factory of another
+    kind is not checked."""
+    target = getattr(factory, "func", factory)
+    unk = unknown_token_id(engine)
+    if unk is None or not isinstance(target, type):
+        return
+    for stop in getattr(target, "stop_strings", ()):
+        if unk in engine.encode(stop):
+            raise ConfigError(
+                f"env {target.__module__}.{target.__qualname__}: its stop string {stop!r} "
+                f"encodes to the unknown token with engine {engine.name!r}'s tokenizer: the "
+                "model could never end a turn with it. Use a tokenizer that has its characters "
+                "(the built-in tiny model's chat tokenizer, chosen whenever `env` is set, has "
+                "'<', '>', '_')")
 
 
 class Renderer:
@@ -80,6 +113,11 @@ class Renderer:
     def __init__(self, engine):
         self.engine = engine
         self.tokenizer = getattr(engine, "tokenizer", None)
+        self.unk_id = unknown_token_id(engine)
+
+    def unknown(self, ids: list[int]) -> bool:
+        """Whether `ids` hold the tokenizer's unknown token (text the model cannot read)."""
+        return self.unk_id is not None and self.unk_id in ids
 
     def first(self, task: Task, first: Observation | None, prompt_ids: list[int] | None,
               tools: list[dict[str, Any]] | None = None) -> Context:

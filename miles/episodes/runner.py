@@ -261,6 +261,7 @@ class EpisodeRunner:
             record.truncated = "max_turns"
             return False
         observation = self.renderer.extend(context, text, step.observation)
+        record.unk_observations += self.renderer.unknown(observation)
         if len(observation) > limits.max_observation_tokens:
             record.truncated = "max_observation_tokens"
             return False

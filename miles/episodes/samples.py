@@ -49,6 +49,7 @@ class EpisodeRecord:
     turns: list[Turn] = field(default_factory=list)
     tool_calls: int = 0
     tool_errors: int = 0
+    unk_observations: int = 0  # observations with the tokenizer's unknown token; not on the wire
     env_s: float = 0.0
     work_s: float = 0.0  # the producer's own time on it (decode, render, its sample; not the
     # engine, not the environment); not on the wire

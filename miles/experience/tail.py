@@ -10,6 +10,9 @@ Choices:
   reason. A failed episode's dead letter also shows its payload's group (turns, policy tokens). The raw view unpacks the msgpack envelope and checks nothing else: an array map whose
   dtype and size agree is shown as its numbers, any other bytes as hex (the first
   `BYTES_SHOWN`). Nothing is ever unpickled or evaluated.
+- With a `tokenizer` (`miles tail --model-dir`), a trajectory group's line is followed by its
+  transcript (`miles.experience.transcript`: each turn's model and environment text, reward,
+  finish); without one, the summary line only.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from miles.errors import CodecError
 from miles.protocol import (FLOAT_DTYPE, TOKEN_DTYPE, Command, DeadLetter, Heartbeat, PromptTask,
                             TrajectoryGroup, WeightVersion, WireRecord, decode)
 from miles.experience.rows import turns
+from miles.experience.transcript import transcript
 from miles.protocol.codec import unpack
 from miles.protocol.limits import MASK_DTYPE
 from miles.protocol.records import failed_episode_kind
@@ -45,10 +49,11 @@ TEXT_SHOWN = 60
 
 async def tail(bus: Bus, run: str, kind: str = "trajectories", *, raw: bool = False,
                start: Bound | str = "latest", limit: int | None = None,
-               stop: asyncio.Event | None = None,
-               ready: asyncio.Event | None = None) -> AsyncIterator[str]:
-    """One line per record of the run's `kind` topic from `start` on, until `limit` records,
-    `stop` is set, or the caller stops iterating."""
+               stop: asyncio.Event | None = None, ready: asyncio.Event | None = None,
+               tokenizer=None) -> AsyncIterator[str]:
+    """One line per record of the run's `kind` topic from `start` on (a group's transcript
+    under it with a `tokenizer`), until `limit` records, `stop` is set, or the caller stops
+    iterating."""
     topic = topic_name(run, kind)
     async with bus.consumer([topic], group_id=reader_group(run, "tail")) as consumer:
         tps = await assign_all(bus, consumer, topic)
@@ -60,21 +65,27 @@ async def tail(bus: Bus, run: str, kind: str = "trajectories", *, raw: bool = Fa
         shown = 0
         while (limit is None or shown < limit) and not (stop is not None and stop.is_set()):
             for record in await consumer.poll(timeout_s=POLL_S):
-                yield describe(record, EXPECTED[kind], raw=raw)
+                yield describe(record, EXPECTED[kind], raw=raw, tokenizer=tokenizer)
                 shown += 1
                 if shown == limit:
                     return
 
 
-def describe(record: Record, expected: type | tuple, *, raw: bool = False) -> str:
-    """`partition@offset time` and the record, decoded (or raw); INVALID with the reason."""
+def describe(record: Record, expected: type | tuple, *, raw: bool = False,
+             tokenizer=None) -> str:
+    """`partition@offset time` and the record, decoded (or raw); INVALID with the reason. A
+    group's transcript follows on more lines when a `tokenizer` is given."""
     head = f"{record.partition}@{record.offset} {_time(record.timestamp_ms)}"
     try:
         if raw:
             return f"{head} {json.dumps(plain(unpack(record.value)), ensure_ascii=False)}"
-        return f"{head} {summarize(decode(record.value, expected))}"
+        value = decode(record.value, expected)
     except CodecError as err:
         return f"{head} INVALID {err}"
+    line = f"{head} {summarize(value)}"
+    if tokenizer is not None and isinstance(value, TrajectoryGroup):
+        line = "\n".join([line, *transcript(value, tokenizer)])
+    return line
 
 
 def _episodes(group: TrajectoryGroup) -> str:

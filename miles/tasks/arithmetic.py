@@ -26,8 +26,9 @@ DEFAULT_HELD_OUT = 1000
 @dataclass(frozen=True, kw_only=True)
 class Problem:
     task_id: str
-    prompt: str
+    prompt: str  # the prompt text (a conversation's: `miles.tasks.messages.messages_text`)
     answer: str
+    messages: tuple[dict, ...] | None = None  # a conversation (chat-template rendered), if any
 
 
 def arithmetic_problems(split: str, *, max_operand: int = DEFAULT_MAX_OPERAND,

@@ -7,7 +7,10 @@ a `DatasetDict` whose split is chosen by `split`), or any other file, read as JS
 single `Dataset` serves every split; built-in tasks and `DatasetDict`s have their own.
 
 `DatasetFormat` maps a row to a `Problem`: the prompt is a field as is, or a `str.format`
-template over the row's fields (`"Question: {question}\\nAnswer:"`); the reference answer (any
+template over the row's fields (`"Question: {question}\\nAnswer:"`), or, in a row without that
+field, a conversation (`messages_field`: a list of `{"role", "content"}`, checked by
+`miles.tasks.messages`; the producer renders it with the chat template, the `Problem`'s prompt
+text is its contents joined by newlines); the reference answer (any
 string or number) and the id come from named fields. A row without an id gets
 `<source name>-<row number>` (1-based, the line number in JSONL; a `DatasetDict` split adds the
 split's name), stable across runs.
@@ -33,6 +36,7 @@ from pathlib import Path
 
 from miles.errors import ConfigError
 from miles.tasks.arithmetic import Problem, arithmetic_problems
+from miles.tasks.messages import Conversation, check_messages, messages_text
 from miles.tasks.multiplication import multiplication_problems
 
 BUILT_IN: dict[str, Callable[[str], list[Problem]]] = {
@@ -47,12 +51,13 @@ first; arithmetic-plain: in the usual order; multiplication: `a*b=` with two-dig
 @dataclass(frozen=True, kw_only=True)
 class DatasetFormat:
     prompt_field: str = "prompt"  # the field holding the prompt, used as is (no template)
+    messages_field: str = "messages"  # a row without prompt_field: its conversation (chat)
     prompt_template: str | None = None  # str.format over the row, e.g. "Q: {question}\nA:"
     answer_field: str = "answer"  # the field holding the reference answer (string or number)
     id_field: str = "id"  # the field holding the task id; absent: <source>-<row number>
 
     def __post_init__(self) -> None:
-        for name in ("prompt_field", "answer_field", "id_field"):
+        for name in ("prompt_field", "messages_field", "answer_field", "id_field"):
             if not getattr(self, name):
                 raise ConfigError(f"{name} must not be empty")
         if self.prompt_template is not None:
@@ -60,10 +65,16 @@ class DatasetFormat:
 
     @cached_property
     def required(self) -> list[str]:
-        """The fields every row must have (the id is optional); worked out once."""
-        prompt = ([self.prompt_field] if self.prompt_template is None
-                  else template_fields(self.prompt_template))
+        """The fields every row must have (the id is optional; without a template, the prompt
+        or the messages field, `prompt_fields`); worked out once."""
+        prompt = [] if self.prompt_template is None else template_fields(self.prompt_template)
         return list(dict.fromkeys([*prompt, self.answer_field]))
+
+    @property
+    def prompt_fields(self) -> list[str]:
+        """Without a template: the fields of which a row needs one (the prompt wins)."""
+        return [] if self.prompt_template is not None else [self.prompt_field,
+                                                            self.messages_field]
 
 
 def template_fields(template: str) -> list[str]:
@@ -91,24 +102,38 @@ def to_problem(row: Mapping, fmt: DatasetFormat, where: str, default_id: str) ->
     for name in fmt.required:
         if row.get(name) is None:
             raise ConfigError(f"{where}: field {name!r} is missing or null")
-    if fmt.prompt_template is None:
-        prompt = row[fmt.prompt_field]
-        if not isinstance(prompt, str):
-            raise ConfigError(f"{where}: field {fmt.prompt_field!r} must be a string, "
-                              f"got {type(prompt).__name__}")
-    else:
-        try:
-            prompt = fmt.prompt_template.format_map(row)
-        except (KeyError, IndexError, AttributeError, TypeError, ValueError) as err:
-            raise ConfigError(f"{where}: prompt_template failed: {type(err).__name__}: "
-                              f"{err}") from None
+    prompt, messages = _prompt(row, fmt, where)
     answer = row[fmt.answer_field]
     if isinstance(answer, bool) or not isinstance(answer, (str, int, float)):
         raise ConfigError(f"{where}: field {fmt.answer_field!r} must be a string or number, "
                           f"got {type(answer).__name__}")
     task_id = row.get(fmt.id_field)
     return Problem(task_id=default_id if task_id is None else str(task_id), prompt=prompt,
-                   answer=str(answer))
+                   answer=str(answer), messages=messages)
+
+
+def _prompt(row: Mapping, fmt: DatasetFormat, where: str) -> tuple[str, Conversation | None]:
+    """A row's prompt text and, for a conversation, its messages."""
+    if fmt.prompt_template is not None:
+        try:
+            return fmt.prompt_template.format_map(row), None
+        except (KeyError, IndexError, AttributeError, TypeError, ValueError) as err:
+            raise ConfigError(f"{where}: prompt_template failed: {type(err).__name__}: "
+                              f"{err}") from None
+    prompt = row.get(fmt.prompt_field)
+    if prompt is not None:
+        if not isinstance(prompt, str):
+            raise ConfigError(f"{where}: field {fmt.prompt_field!r} must be a string, "
+                              f"got {type(prompt).__name__}")
+        return prompt, None
+    if row.get(fmt.messages_field) is None:
+        raise ConfigError(f"{where}: field {fmt.prompt_field!r} is missing or null (or "
+                          f"{fmt.messages_field!r} for a conversation)")
+    try:
+        messages = check_messages(row[fmt.messages_field])
+    except ValueError as err:
+        raise ConfigError(f"{where}: field {fmt.messages_field!r} {err}") from None
+    return messages_text(messages), messages
 
 
 def read_jsonl(path: str | Path, fmt: DatasetFormat = DatasetFormat()) -> list[Problem]:
@@ -199,7 +224,11 @@ def _table_problems(names: list[str], read: Callable, fmt: DatasetFormat, where:
     for field in fmt.required:
         if field not in names:
             raise ConfigError(f"{where}: no field {field!r} (fields: {', '.join(names)})")
-    columns = [c for c in dict.fromkeys([*fmt.required, fmt.id_field]) if c in names]
+    either = fmt.prompt_fields
+    if either and not set(either) & set(names):
+        raise ConfigError(f"{where}: no field {either[0]!r} or {either[1]!r} "
+                          f"(fields: {', '.join(names)})")
+    columns = [c for c in dict.fromkeys([*fmt.required, *either, fmt.id_field]) if c in names]
     rows = read(columns).to_pylist()
     return _nonempty([to_problem(row, fmt, f"{where}: row {number}", f"{name}-{number}")
                       for number, row in enumerate(rows, start=1)], where)

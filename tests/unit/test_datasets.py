@@ -177,3 +177,51 @@ def test_feed_command_maps_fields(tmp_path, monkeypatch, capsys):
                  "--prompt-field", "question", "--answer-field", "missing"]) == 2
     assert "data.parquet: no field 'missing'" in capsys.readouterr().err
     assert len(fed) == 1  # the dataset is checked before anything is published
+
+
+CHAT_ROWS = [{"messages": [{"role": "system", "content": "Add."},
+                           {"role": "user", "content": "2+2="}], "answer": 4, "id": None},
+             {"messages": [{"role": "user", "content": "3+5="}], "answer": 8, "id": "c2"}]
+CHAT_EXPECTED = [
+    Problem(task_id="chat-1", prompt="Add.\n2+2=", answer="4",
+            messages=({"role": "system", "content": "Add."}, {"role": "user", "content": "2+2="})),
+    Problem(task_id="c2", prompt="3+5=", answer="8",
+            messages=({"role": "user", "content": "3+5="},))]
+
+
+def test_conversations_are_read_from_every_source(tmp_path, hf_datasets):
+    hf_datasets.Dataset.from_list(CHAT_ROWS).save_to_disk(tmp_path / "chat")
+    for path in (write_jsonl(tmp_path / "chat.jsonl", CHAT_ROWS),
+                 write_parquet(tmp_path / "chat.parquet", CHAT_ROWS), tmp_path / "chat"):
+        assert load_problems(str(path)) == CHAT_EXPECTED
+    # a row with a prompt keeps it; a named messages field is read like the default one
+    rows = [{"prompt": "1+1=", "answer": 2}, {"conv": CHAT_ROWS[1]["messages"], "answer": 8}]
+    problems = load_problems(str(write_jsonl(tmp_path / "mixed.jsonl", rows)),
+                             fmt=DatasetFormat(messages_field="conv"))
+    assert [(p.prompt, p.messages) for p in problems] == [("1+1=", None),
+                                                          ("3+5=", CHAT_EXPECTED[1].messages)]
+
+
+@pytest.mark.parametrize("messages, message", [
+    ([], "must be a non-empty list of messages"),
+    ("hi", "must be a non-empty list of messages, got str"),
+    ([{"role": "user"}], r"message 0 must be .* string content"),
+    ([{"role": "user", "content": 3}], r"message 0 must be .* string content"),
+    ([{"role": "robot", "content": "x"}], r"message 0 must be .* role in"),
+    ([{"role": "user", "content": "x"}] * 1025, "has more than 1024 messages"),
+    ([{"role": "user", "content": "x" * (1 << 20)}], "is longer than"),
+])
+def test_bad_conversations_name_the_row(tmp_path, messages, message):
+    path = write_jsonl(tmp_path / "bad.jsonl", [CHAT_ROWS[0], {"messages": messages,
+                                                               "answer": 1}])
+    with pytest.raises(ConfigError, match=f"bad.jsonl:2: field 'messages' {message}"):
+        load_problems(str(path))
+
+
+def test_a_row_needs_a_prompt_or_messages(tmp_path):
+    path = write_jsonl(tmp_path / "bad.jsonl", [{"answer": 1}])
+    with pytest.raises(ConfigError, match="bad.jsonl:1: field 'prompt' .*or 'messages'"):
+        load_problems(str(path))
+    path = write_parquet(tmp_path / "bad.parquet", [{"question": "q", "answer": 1}])
+    with pytest.raises(ConfigError, match=r"no field 'prompt' or 'messages' \(fields: question"):
+        load_problems(str(path))

@@ -1,0 +1,1 @@
+"""Runnable examples from the README (`python -m miles.cli demo --env examples.envs....`)."""
