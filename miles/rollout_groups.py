@@ -34,7 +34,8 @@ import numpy as np
 
 from miles.engines.base import Completion, RolloutEngine
 from miles.envs import EnvironmentFactory
-from miles.episodes import EpisodeRecord, EpisodeRunner, EpisodeSettings, is_single_turn
+from miles.episodes import (EpisodeRecord, EpisodeRunner, EpisodeSettings, context_warning,
+                            is_single_turn)
 from miles.errors import CodecError
 from miles.protocol import PromptTask, Sample, TrajectoryGroup, encode
 from miles.protocol.records import failed_episode_reason
@@ -131,6 +132,8 @@ class EpisodeGroups(GroupBuilder):
         super().__init__(engine, sampling, producer_id, counts)
         self.factory, self.settings, self.in_engine = factory, settings, in_engine
         self.compact = is_single_turn(factory)
+        if (warning := context_warning(settings, engine.context_limit)) is not None:
+            log.warning("%s", warning)
         for name in EPISODE_COUNTERS:
             counts.setdefault(f"producer/{name}", 0)
 

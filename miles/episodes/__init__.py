@@ -8,8 +8,9 @@ them); `EpisodeRecord.sample()` is the wire `Sample` (1.4 episode fields). The p
 """
 
 from miles.episodes.rendering import MESSAGES_KEY, Context, Renderer, task_of
-from miles.episodes.runner import EpisodeRunner, EpisodeSettings, is_single_turn, within_budget
+from miles.episodes.runner import (EpisodeRunner, EpisodeSettings, context_warning, is_single_turn,
+                                   within_budget)
 from miles.episodes.samples import EpisodeRecord, Turn
 
 __all__ = ["MESSAGES_KEY", "Context", "EpisodeRecord", "EpisodeRunner", "EpisodeSettings",
-           "Renderer", "Turn", "is_single_turn", "task_of", "within_budget"]
+           "Renderer", "Turn", "context_warning", "is_single_turn", "task_of", "within_budget"]

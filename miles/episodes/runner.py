@@ -12,8 +12,10 @@ waits for it. Every environment call (`reset`, `step`, `close`) is bounded by
 Failures: an environment that raises or times out, a chat template that breaks the prefix
 rule (`EpisodeError`) or a malformed task fail that episode only: it is recorded with its
 reason (`EpisodeRecord.failure`, "kind: message"; the sample's `error`, finish reason "abort"
-and `episode["failed"]`) and the producer never publishes it for training. An `EngineError`
-fails the whole batch (the producer retries it), after every environment is closed.
+and `episode["failed"]`) and the producer never publishes it for training. So does a request
+the engine refuses for what it asks (`EngineRejectedError`, "engine_rejected": the rows of the
+refused call are generated one by one to find it). Any other `EngineError` fails the whole
+batch (the producer retries it), after every environment is closed.
 
 Limits (`EpisodeSettings`): a turn samples at most `sampling.max_new_tokens` and never past
 `max_total_tokens` for the episode; after `max_turns` turns, an observation longer than
@@ -23,6 +25,14 @@ observation: truncating an observation would show the model something the enviro
 said (and cut a chat template's markup in half). A last turn cut by its token budget is
 "length" too. One engine call uses the largest budget of its rows; a row past its own budget
 is cut there, which keeps a valid sample of the shorter budget.
+
+The engine's context (`RolloutEngine.context_limit`: hf's max_position_embeddings, vLLM's
+max_model_len) bounds the whole sequence, prompt included: a turn never asks for more than the
+room left (vLLM refuses such a request; hf would sample at positions the model never saw), and
+an observation that would leave no room ends the episode truncated ("max_context"); a first
+prompt that fills the context fails its episode ("max_context"). Rows near the context get an
+engine call of their own per room left (the call's budget is the largest of its rows), so the
+one call per round holds until episodes reach the context.
 
 Streaming (`stream_turns`, the HF engine): instead of rounds, each turn is submitted to the
 engine's continuous batcher (`TurnStream`, `miles.engines.hf_stream`) the moment its episode
@@ -41,6 +51,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import math
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -52,7 +63,7 @@ from miles.envs import (INFO_ERROR, INFO_TOOL_CALLS, INFO_TOOL_ERRORS, Action, E
                         EnvironmentFactory, SingleTurn, Step)
 from miles.episodes.rendering import Context, Renderer, task_of
 from miles.episodes.samples import EpisodeRecord, Turn
-from miles.errors import ConfigError, EngineError, EpisodeError
+from miles.errors import ConfigError, EngineError, EngineRejectedError, EpisodeError
 from miles.protocol import PromptTask
 from miles.rl.sampling import SamplingParams
 
@@ -96,6 +107,7 @@ class EpisodeSettings:
 class _Request:
     prompt: list[int]
     budget: int
+    ceiling: int  # the most tokens the engine may be asked for here (its context's room)
     stop_strings: tuple[str, ...]
     future: asyncio.Future
 
@@ -174,21 +186,37 @@ class EpisodeRunner:
                 waker.cancel()
 
     async def _round(self, requests: list[_Request], seed: int) -> None:
-        """One engine call per distinct set of stop strings among `requests` (one, when every
-        environment of the factory has the class's); each row cut to its own budget."""
+        """One engine call per distinct (stop strings, ceiling) among `requests` (one, when
+        every environment of the factory has the class's and no episode is near the engine's
+        context); each row cut to its own budget."""
         self.rounds += 1
-        by_stops: dict[tuple[str, ...], list[_Request]] = {}
+        calls: dict[tuple[tuple[str, ...], int], list[_Request]] = {}
         for request in requests:
-            by_stops.setdefault(request.stop_strings, []).append(request)
-        for stops, rows in by_stops.items():
-            params = dataclasses.replace(self.sampling, n=1,
-                                         max_new_tokens=max(r.budget for r in rows))
+            calls.setdefault((request.stop_strings, request.ceiling), []).append(request)
+        for (stops, _), rows in calls.items():
+            await self._generate_rows(rows, stops, seed)
+
+    async def _generate_rows(self, rows: list[_Request], stops: tuple[str, ...],
+                             seed: int) -> None:
+        """Generate `rows` in one engine call. A request the engine refuses (EngineRejectedError:
+        retrying cannot help) is found by generating the rows one by one, and fails its own
+        episode ("engine_rejected"), not the batch."""
+        params = dataclasses.replace(self.sampling, n=1,
+                                     max_new_tokens=max(r.budget for r in rows))
+        try:
             groups = await self.generate_in_engine([r.prompt for r in rows], params, seed=seed,
                                                    stop_strings=stops)
-            for row, (completion,) in zip(rows, groups, strict=True):
-                row.future.set_result(within_budget(completion, row.budget))
+        except EngineRejectedError as err:
+            if len(rows) == 1:
+                rows[0].future.set_exception(EpisodeError("engine_rejected", str(err)))
+                return
+            for row in rows:
+                await self._generate_rows([row], stops, seed)
+            return
+        for row, (completion,) in zip(rows, groups, strict=True):
+            row.future.set_result(within_budget(completion, row.budget))
 
-    async def _next_turn(self, prompt: list[int], budget: int,
+    async def _next_turn(self, prompt: list[int], budget: int, ceiling: int,
                          stop_strings: tuple[str, ...]) -> TurnResult:
         if self._stream is not None:
             params = dataclasses.replace(self.sampling, n=1, max_new_tokens=budget)
@@ -196,7 +224,7 @@ class EpisodeRunner:
             self._wake.set()
             return await future
         future = asyncio.get_running_loop().create_future()
-        self._requests.append(_Request(list(prompt), budget, stop_strings, future))
+        self._requests.append(_Request(list(prompt), budget, ceiling, stop_strings, future))
         self._wake.set()
         completion = await future
         return TurnResult(completion, np.full(len(completion.token_ids),
@@ -231,9 +259,9 @@ class EpisodeRunner:
 
     async def _turns(self, record: EpisodeRecord, env: Environment, context: Context) -> None:
         while True:
-            budget = min(self.sampling.max_new_tokens,
-                         self.settings.max_total_tokens - record.length)
-            result = await self._next_turn(context.ids, budget, env.stop_strings)
+            ceiling = self._ceiling(context)
+            budget = min(ceiling, self.settings.max_total_tokens - record.length)
+            result = await self._next_turn(context.ids, budget, ceiling, env.stop_strings)
             completion = result.completion
             with record.working():
                 text = self.engine.decode(completion.token_ids)
@@ -245,6 +273,19 @@ class EpisodeRunner:
             with record.working():
                 if not self._goes_on(record, context, turn, text, step):
                     return
+
+    def _ceiling(self, context: Context) -> int:
+        """The most tokens the next turn may sample: `max_new_tokens`, or less where the
+        engine's context has less room left. No room at all can only be the first turn's (a
+        later one is truncated before, `_goes_on`): the episode fails ("max_context")."""
+        limit = self.engine.context_limit
+        if limit is None:
+            return self.sampling.max_new_tokens
+        room = limit - len(context.ids)
+        if room < 1:
+            raise EpisodeError("max_context", f"the first prompt's {len(context.ids)} tokens "
+                                              f"fill the engine's context of {limit}")
+        return min(self.sampling.max_new_tokens, room)
 
     def _goes_on(self, record: EpisodeRecord, context: Context, turn: Turn, text: str,
                  step: Step) -> bool:
@@ -265,6 +306,9 @@ class EpisodeRunner:
             return False
         if record.length + len(observation) >= limits.max_total_tokens:
             record.truncated = "max_total_tokens"
+            return False
+        if (self.engine.context_limit or math.inf) <= len(context.ids) + len(observation):
+            record.truncated = "max_context"  # no room left for the model's next turn
             return False
         turn.observation = observation
         context.ids += observation
@@ -368,6 +412,17 @@ def within_budget(completion: Completion, budget: int) -> Completion:
     return Completion(token_ids=completion.token_ids[:budget].copy(),
                       logprobs=completion.logprobs[:budget].copy(), finish_reason="length",
                       policy_version=completion.policy_version)
+
+
+def context_warning(settings: EpisodeSettings, limit: int | None) -> str | None:
+    """What to warn about at start-up when `max_total_tokens` does not fit the engine's
+    context `limit` with any prompt (episodes then end at the context, "max_context")."""
+    if limit is None or settings.max_total_tokens < limit:
+        return None
+    return (f"episodes.max_total_tokens ({settings.max_total_tokens}) plus a prompt does not "
+            f"fit the engine's context ({limit} tokens): episodes end truncated "
+            f"(\"max_context\") when the context is full; lower episodes.max_total_tokens below "
+            f"{limit} minus the longest prompt")
 
 
 def is_single_turn(factory: EnvironmentFactory) -> bool:
