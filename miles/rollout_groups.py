@@ -20,7 +20,8 @@
 
 Counters (`producer/...`): `episodes`, `turns`, `tool_calls`, `tool_errors`, `env_s`,
 `work_s` (the producer's own time on episodes: decoding, rendering, building samples),
-`failed_episodes`, `failed/<kind>`, `truncated_episodes`, `empty_groups`.
+`failed_episodes`, `failed/<kind>`, `truncated_episodes`, `empty_groups`, and the gauge
+`env_threads_stuck` (environment threads still running past a timeout, `miles.episodes.hosting`).
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from miles.engines.base import Completion, RolloutEngine
 from miles.envs import EnvironmentFactory
 from miles.episodes import (EpisodeRecord, EpisodeRunner, EpisodeSettings, context_warning,
                             is_single_turn)
+from miles.episodes.hosting import abandoned_threads
 from miles.errors import CodecError
 from miles.protocol import PromptTask, Sample, TrajectoryGroup, encode
 from miles.protocol.records import failed_episode_reason
@@ -45,7 +47,7 @@ from miles.tasks.rewards import Scored, Scorer
 log = logging.getLogger(__name__)
 Batch = list[tuple[PromptTask, list[int]]]
 EPISODE_COUNTERS = ("episodes", "turns", "tool_calls", "tool_errors", "env_s", "work_s",
-                    "failed_episodes", "truncated_episodes", "empty_groups")
+                    "failed_episodes", "truncated_episodes", "empty_groups", "env_threads_stuck")
 
 
 @dataclass(frozen=True, slots=True)
@@ -142,6 +144,7 @@ class EpisodeGroups(GroupBuilder):
         runner = EpisodeRunner(self.engine, self.factory, self.settings, self.sampling,
                                generate_in_engine=self._generate, in_engine=self._timed)
         records = await runner.run(batch, seed)
+        self.counts["producer/env_threads_stuck"] = abandoned_threads()  # a gauge
         failed_before = self.counts["producer/failed_episodes"]
         groups = [self._group(task, episodes, sequence)
                   for (task, _), episodes in zip(batch, records)]

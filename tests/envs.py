@@ -83,6 +83,7 @@ class Gated(Counter):
     `slow`, sleep `delay` seconds when it gives one, and raise on turn `fail_at`."""
 
     gate = None  # an asyncio.Event the test creates
+    own_thread = False  # the gate is the test loop's: this environment runs on that loop
 
     async def step(self, action: Action) -> Step:
         meta = self.task.metadata
@@ -93,6 +94,16 @@ class Gated(Counter):
             await asyncio.sleep(float(meta["delay"]))
         if int(meta.get("fail_at", 0)) == self.k + 1:
             raise RuntimeError("the simulator crashed")
+        return await super().step(action)
+
+
+class Sleepy(Counter):
+    """A Counter whose step blocks its thread (`time.sleep`, as a careless simulator or a
+    blocking client would) for the task's metadata["sleep"] seconds."""
+
+    async def step(self, action: Action) -> Step:
+        import time
+        time.sleep(float(self.task.metadata.get("sleep", 0)))
         return await super().step(action)
 
 

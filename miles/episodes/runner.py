@@ -6,8 +6,10 @@ a completion, `step` the environment with it, append the observation's ids (`Ren
 every episode that is waiting for its next turn and generates them in one engine call (in the
 engine's thread, `generate_in_engine`); environment calls run meanwhile as asyncio tasks, so an
 episode whose environment is slow simply misses this round and joins a later one, and nobody
-waits for it. Every environment call (`reset`, `step`, `close`) is bounded by
-`env_step_timeout_s`.
+waits for it. Every environment call (build, `reset`, `step`, `close`) is bounded by
+`env_step_timeout_s` and runs on the episode's own thread and event loop
+(`miles.episodes.hosting`; `Environment.own_thread`), so an environment that blocks holds its
+own episode only, and its timeout fires on the producer's loop.
 
 Failures: an environment that raises or times out, a chat template that breaks the prefix
 rule (`EpisodeError`) or a malformed task fail that episode only: it is recorded with its
@@ -55,12 +57,15 @@ import math
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from typing import Any, Union
 
 import numpy as np
 
 from miles.engines.base import Completion, RolloutEngine
 from miles.envs import (INFO_ERROR, INFO_TOOL_CALLS, INFO_TOOL_ERRORS, Action, Environment,
                         EnvironmentFactory, SingleTurn, Step)
+from miles.episodes.hosting import (MAX_ABANDONED_THREADS, LoopHost, ThreadHost,
+                                    abandoned_threads, runs_in_own_thread)
 from miles.episodes.rendering import Context, Renderer, task_of
 from miles.episodes.samples import EpisodeRecord, Turn
 from miles.errors import ConfigError, EngineError, EngineRejectedError, EpisodeError
@@ -69,6 +74,8 @@ from miles.rl.sampling import SamplingParams
 
 GenerateFn = Callable[..., Awaitable[list[list[Completion]]]]
 InEngineFn = Callable[..., Awaitable]  # (fn, *args): fn(*args) in the engine's thread
+Host = Union[LoopHost, ThreadHost]
+ROUND_GATHER_S = 0.05  # a round waits this long at most for episodes in environment calls
 
 
 async def _in_thread(fn, *args):
@@ -108,6 +115,7 @@ class _Request:
     prompt: list[int]
     budget: int
     ceiling: int  # the most tokens the engine may be asked for here (its context's room)
+    order: int  # its episode's position in the batch: rows go to the engine in this order
     stop_strings: tuple[str, ...]
     future: asyncio.Future
 
@@ -134,6 +142,7 @@ class EpisodeRunner:
         self.rounds = 0  # engine calls made (streamed: decoding steps)
         self._requests: list[_Request] = []
         self._wake = asyncio.Event()
+        self._in_env = 0  # episodes in an environment call now
         self._stream = TurnStream(engine, in_engine) if settings.stream_turns else None
 
     async def run(self, prompts: list[tuple[PromptTask, list[int]]],
@@ -143,8 +152,9 @@ class EpisodeRunner:
         limit = asyncio.Semaphore(self.settings.max_concurrent or len(prompts) * self.sampling.n)
         if self._stream is not None:
             self._stream.seed = seed
-        tasks = [asyncio.create_task(self._episode(i, task, ids, limit))
-                 for i, (task, ids) in enumerate(prompts) for _ in range(self.sampling.n)]
+        tasks = [asyncio.create_task(self._episode(i, task, ids, limit, order))
+                 for order, (i, (task, ids)) in enumerate(
+                     (i, p) for i, p in enumerate(prompts) for _ in range(self.sampling.n))]
         try:
             await self._schedule(tasks, seed)
         except BaseException:
@@ -176,7 +186,9 @@ class EpisodeRunner:
                 await self._stream.step()
                 continue
             if self._requests:
+                await self._gather()
                 requests, self._requests = self._requests, []
+                requests.sort(key=lambda r: r.order)  # not arrival order: threads race
                 await self._round(requests, seed + self.rounds)
                 continue
             waker = asyncio.ensure_future(self._wake.wait())
@@ -184,6 +196,19 @@ class EpisodeRunner:
                 await asyncio.wait([*running, waker], return_when=asyncio.FIRST_COMPLETED)
             finally:
                 waker.cancel()
+
+    async def _gather(self) -> None:
+        """Give the episodes in environment calls up to `ROUND_GATHER_S` to join this round:
+        a call on an environment's thread comes back through the loop a moment after it ends,
+        and without the wait fast environments would miss every round and double the engine
+        calls. A slower environment misses the round, as before."""
+        deadline = time.monotonic() + ROUND_GATHER_S
+        while self._in_env and (left := deadline - time.monotonic()) > 0:
+            self._wake.clear()
+            try:
+                await asyncio.wait_for(self._wake.wait(), left)
+            except TimeoutError:
+                return
 
     async def _round(self, requests: list[_Request], seed: int) -> None:
         """One engine call per distinct (stop strings, ceiling) among `requests` (one, when
@@ -217,14 +242,15 @@ class EpisodeRunner:
             row.future.set_result(within_budget(completion, row.budget))
 
     async def _next_turn(self, prompt: list[int], budget: int, ceiling: int,
-                         stop_strings: tuple[str, ...]) -> TurnResult:
+                         stop_strings: tuple[str, ...], order: int) -> TurnResult:
         if self._stream is not None:
             params = dataclasses.replace(self.sampling, n=1, max_new_tokens=budget)
             future = self._stream.submit(prompt, params, stop_strings)
             self._wake.set()
             return await future
         future = asyncio.get_running_loop().create_future()
-        self._requests.append(_Request(list(prompt), budget, ceiling, stop_strings, future))
+        self._requests.append(_Request(list(prompt), budget, ceiling, order, stop_strings,
+                                       future))
         self._wake.set()
         completion = await future
         return TurnResult(completion, np.full(len(completion.token_ids),
@@ -233,35 +259,42 @@ class EpisodeRunner:
     # -- one episode --------------------------------------------------------------------------
 
     async def _episode(self, index: int, task: PromptTask, prompt_ids: list[int],
-                       limit: asyncio.Semaphore) -> EpisodeRecord:
-        record = EpisodeRecord(task_index=index)
+                       limit: asyncio.Semaphore, order: int) -> EpisodeRecord:
+        record = EpisodeRecord(task_index=index, order=order)
         async with limit:
+            if abandoned_threads() >= MAX_ABANDONED_THREADS:
+                record.fail("env_stuck", f"{abandoned_threads()} environment threads are still "
+                                         f"running past their timeout; no new episode starts")
+                return record
+            host = (ThreadHost(f"env-{index}") if runs_in_own_thread(self.factory)
+                    else LoopHost())
             env: Environment | None = None
             try:
-                env = await self._env_call(record, "build", _build(self.factory))
-                context = await self._start(record, env, task, prompt_ids)
-                await self._turns(record, env, context)
+                env = await self._env_call(record, host, "build", self.factory)
+                context = await self._start(record, host, env, task, prompt_ids)
+                await self._turns(record, host, env, context)
             except EpisodeError as failure:
                 record.fail(failure.kind, str(failure))
             finally:
-                if env is not None:
-                    await self._close(record, env)
+                await self._close(record, host, env)
         return record
 
-    async def _start(self, record: EpisodeRecord, env: Environment, task: PromptTask,
-                     prompt_ids: list[int]) -> Context:
+    async def _start(self, record: EpisodeRecord, host: Host, env: Environment,
+                     task: PromptTask, prompt_ids: list[int]) -> Context:
         episode_task = task_of(task)
-        first = await self._env_call(record, "reset", env.reset(episode_task))
+        first = await self._env_call(record, host, "reset", env.reset, episode_task)
         with record.working():
             context = self.renderer.first(episode_task, first, prompt_ids)
             record.prompt = list(context.ids)
         return context
 
-    async def _turns(self, record: EpisodeRecord, env: Environment, context: Context) -> None:
+    async def _turns(self, record: EpisodeRecord, host: Host, env: Environment,
+                     context: Context) -> None:
         while True:
             ceiling = self._ceiling(context)
             budget = min(ceiling, self.settings.max_total_tokens - record.length)
-            result = await self._next_turn(context.ids, budget, ceiling, env.stop_strings)
+            result = await self._next_turn(context.ids, budget, ceiling, env.stop_strings,
+                                           record.order)
             completion = result.completion
             with record.working():
                 text = self.engine.decode(completion.token_ids)
@@ -269,7 +302,7 @@ class EpisodeRunner:
                 turn = Turn(completion, versions=result.versions)
                 record.turns.append(turn)
                 action = Action(text, completion.token_ids.tolist(), completion.finish_reason)
-            step = await self._env_call(record, "step", env.step(action))
+            step = await self._env_call(record, host, "step", env.step, action)
             with record.working():
                 if not self._goes_on(record, context, turn, text, step):
                     return
@@ -322,12 +355,15 @@ class EpisodeRunner:
         if step.done and step.info.get(INFO_ERROR) is not None:
             record.reward_error = str(step.info[INFO_ERROR])
 
-    async def _env_call(self, record: EpisodeRecord, what: str, call: Awaitable):
-        """`call` within the step timeout, its time counted; EpisodeError if it raises or times
-        out (environments are user code: any exception is theirs)."""
+    async def _env_call(self, record: EpisodeRecord, host: Host, what: str, fn: Callable,
+                        *args: Any) -> Any:
+        """`fn(*args)` on the environment's host within the step timeout, its time counted;
+        EpisodeError if it raises or times out (environments are user code: any exception is
+        theirs)."""
         began = time.perf_counter()
+        self._in_env += 1
         try:
-            return await asyncio.wait_for(call, self.settings.env_step_timeout_s)
+            return await host.call(fn, *args, timeout_s=self.settings.env_step_timeout_s)
         except TimeoutError:
             raise EpisodeError("env_timeout", f"{what} took more than "
                                             f"{self.settings.env_step_timeout_s} s") from None
@@ -335,12 +371,20 @@ class EpisodeRunner:
             raise EpisodeError("env_error", f"{what} raised {type(err).__name__}: {err}") from None
         finally:
             record.env_s += time.perf_counter() - began
+            self._in_env -= 1
+            self._wake.set()
 
-    async def _close(self, record: EpisodeRecord, env: Environment) -> None:
+    async def _close(self, record: EpisodeRecord, host: Host, env: Environment | None) -> None:
+        """Close `env` (if it was built) and release its host; a stuck host (a call timed
+        out) closes it on its own thread once the call returns, nobody waiting for it."""
+        later = env.close if env is not None and host.stuck else None
         try:
-            await self._env_call(record, "close", env.close())
+            if env is not None and not host.stuck:
+                await self._env_call(record, host, "close", env.close)
         except EpisodeError as failure:
             record.fail(failure.kind, str(failure))
+        finally:
+            host.release(later, self.settings.env_step_timeout_s)
 
 
 class TurnStream:
@@ -398,10 +442,6 @@ class TurnStream:
     def _abort(self, requests: list) -> None:
         for request in requests:
             self.sampler.abort(request)
-
-
-async def _build(factory: EnvironmentFactory) -> Environment:
-    return factory()
 
 
 def within_budget(completion: Completion, budget: int) -> Completion:
