@@ -66,6 +66,12 @@ class EngineUnavailableError(EngineError):
     same call may succeed later, so what it carried (a weight version) is kept and retried."""
 
 
+class EngineRejectedError(EngineError):
+    """The engine refused a request for what it asked (a prompt and budget longer than the
+    engine's context, a value the engine does not accept): the same request fails again, so the
+    caller fails what made it (an episode), never retries the batch for it."""
+
+
 class CheckpointError(MilesError):
     """A trainer checkpoint is incomplete, damaged or cannot be loaded or published."""
 

@@ -21,9 +21,10 @@
 Counters (`producer/...`): `episodes`, `turns`, `tool_calls`, `tool_errors`, `env_s`,
 `work_s` (the producer's own time on episodes: decoding, rendering, building samples),
 `failed_episodes`, `failed/<kind>`, `truncated_episodes`, `empty_groups`, `unk_observations`
-(observations holding the tokenizer's unknown token: the model cannot read them; warned once).
-An environment whose stop strings the tokenizer cannot write stops the producer at start-up
-(`miles.episodes.check_stop_strings`).
+(observations holding the tokenizer's unknown token: the model cannot read them; warned once),
+and the gauge `env_threads_stuck` (environment threads still running past a timeout,
+`miles.episodes.hosting`). An environment whose stop strings the tokenizer cannot write stops
+the producer at start-up (`miles.episodes.check_stop_strings`).
 """
 
 from __future__ import annotations
@@ -38,7 +39,8 @@ import numpy as np
 from miles.engines.base import Completion, RolloutEngine
 from miles.envs import EnvironmentFactory
 from miles.episodes import (EpisodeRecord, EpisodeRunner, EpisodeSettings, check_stop_strings,
-                            is_single_turn)
+                            context_warning, is_single_turn)
+from miles.episodes.hosting import abandoned_threads
 from miles.errors import CodecError
 from miles.protocol import PromptTask, Sample, TrajectoryGroup, encode
 from miles.protocol.records import failed_episode_reason
@@ -48,7 +50,8 @@ from miles.tasks.rewards import Scored, Scorer
 log = logging.getLogger(__name__)
 Batch = list[tuple[PromptTask, list[int]]]
 EPISODE_COUNTERS = ("episodes", "turns", "tool_calls", "tool_errors", "env_s", "work_s",
-                    "failed_episodes", "truncated_episodes", "empty_groups", "unk_observations")
+                    "failed_episodes", "truncated_episodes", "empty_groups", "unk_observations",
+                    "env_threads_stuck")
 
 
 @dataclass(frozen=True, slots=True)
@@ -136,6 +139,8 @@ class EpisodeGroups(GroupBuilder):
         self.factory, self.settings, self.in_engine = factory, settings, in_engine
         check_stop_strings(engine, factory)
         self.compact = is_single_turn(factory)
+        if (warning := context_warning(settings, engine.context_limit)) is not None:
+            log.warning("%s", warning)
         for name in EPISODE_COUNTERS:
             counts.setdefault(f"producer/{name}", 0)
 
@@ -144,6 +149,7 @@ class EpisodeGroups(GroupBuilder):
         runner = EpisodeRunner(self.engine, self.factory, self.settings, self.sampling,
                                generate_in_engine=self._generate, in_engine=self._timed)
         records = await runner.run(batch, seed)
+        self.counts["producer/env_threads_stuck"] = abandoned_threads()  # a gauge
         failed_before = self.counts["producer/failed_episodes"]
         groups = [self._group(task, episodes, sequence)
                   for (task, _), episodes in zip(batch, records)]

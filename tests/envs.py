@@ -85,6 +85,7 @@ class Gated(Counter):
     `slow`, sleep `delay` seconds when it gives one, and raise on turn `fail_at`."""
 
     gate = None  # an asyncio.Event the test creates
+    own_thread = False  # the gate is the test loop's: this environment runs on that loop
 
     async def step(self, action: Action) -> Step:
         meta = self.task.metadata
@@ -95,6 +96,45 @@ class Gated(Counter):
             await asyncio.sleep(float(meta["delay"]))
         if int(meta.get("fail_at", 0)) == self.k + 1:
             raise RuntimeError("the simulator crashed")
+        return await super().step(action)
+
+
+LECTURE = " The quick brown fox jumps over the lazy dog, twice."
+
+
+class Lecture(Environment):
+    """Observation tokens that would dominate the gradient if trained: a first turn whose first
+    token id is even gets `LECTURE` (about 50 tokens against two turns of a few) and, after a
+    second turn, reward 1.0; any other first turn ends the episode with 0.0. Every episode
+    holding the lecture is rewarded above its group's mean, so training its tokens would push
+    their logprobs up."""
+
+    async def reset(self, task: Task):
+        self.k = 0
+        return None
+
+    async def step(self, action: Action) -> Step:
+        self.k += 1
+        if self.k == 1 and action.token_ids and action.token_ids[0] % 2 == 0:
+            return Step(LECTURE)
+        return Step(None, 1.0 if self.k == 2 else 0.0, done=True)
+
+
+class StopCounter(Counter):
+    """A Counter whose turns also end on one of four characters (stop strings; a vLLM server
+    takes at most four): a random tiny model writes one within a few turns, so turns end
+    "stop_string" on any engine."""
+
+    stop_strings = ("1", "2", "+", "=")
+
+
+class Sleepy(Counter):
+    """A Counter whose step blocks its thread (`time.sleep`, as a careless simulator or a
+    blocking client would) for the task's metadata["sleep"] seconds."""
+
+    async def step(self, action: Action) -> Step:
+        import time
+        time.sleep(float(self.task.metadata.get("sleep", 0)))
         return await super().step(action)
 
 

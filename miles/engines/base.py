@@ -129,6 +129,13 @@ class RolloutEngine(abc.ABC):
     def policy_version(self) -> int:
         """Version of the weights currently loaded."""
 
+    @property
+    def context_limit(self) -> int | None:
+        """Most tokens one sequence may hold, prompt and response together (None: unknown).
+        A request past it is refused (vLLM) or leaves the positions the model was trained on
+        (hf), so callers keep `len(prompt) + max_new_tokens` within it."""
+        return None
+
     @abc.abstractmethod
     def encode(self, text: str) -> list[int]:
         """Token ids of `text`, without special tokens."""

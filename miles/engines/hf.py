@@ -66,6 +66,7 @@ class HFEngine(TokenizedEngine):
             model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
         except (OSError, ValueError) as e:
             raise EngineError(f"cannot load a causal LM and tokenizer from {model_dir}: {e}") from e
+        self._context_limit = context_limit_of(model.config)
         if lora is not None:
             model = get_peft_model(model, lora_config(lora))
         self.model = model.to(self.device).eval()
@@ -81,6 +82,10 @@ class HFEngine(TokenizedEngine):
         self._streaming: StreamingSampler | None = None
         self.tokens_generated = 0  # response tokens returned since start-up
         self.generate_seconds = 0.0  # wall time spent inside generate
+
+    @property
+    def context_limit(self) -> int | None:
+        return self._context_limit
 
     @property
     def tokens_per_s(self) -> float:
@@ -163,6 +168,14 @@ class HFEngine(TokenizedEngine):
             out.append(Completion(token_ids=ids.copy(), logprobs=logprobs_np[row, :length].copy(),
                                   finish_reason=reason, policy_version=self._policy_version))
         return out
+
+
+def context_limit_of(config) -> int | None:
+    """The model's `max_position_embeddings` (None if its config has none): the positions it
+    was trained on; the HF engine does not refuse a longer sequence (RoPE extrapolates), but
+    what it samples there is no longer the model's."""
+    limit = getattr(config, "max_position_embeddings", None)
+    return int(limit) if isinstance(limit, int) and limit > 0 else None
 
 
 def lora_config(lora: LoraSettings) -> LoraConfig:

@@ -97,7 +97,7 @@ from miles.engines.vllm_api import adapter_name, build_completion, sampling_valu
 from miles.engines.vllm_server import ADAPTER_FILES, load_tokenizer
 from miles.engines.vllm_weights import (LOAD_WEIGHTS_RPC, WeightLoader, check_covers,
                                         safetensors_files, tensor_shapes)
-from miles.errors import ConfigError, EngineError, MilesError
+from miles.errors import ConfigError, EngineError, EngineRejectedError, MilesError
 from miles.rl.sampling import SamplingParams
 
 if TYPE_CHECKING:
@@ -166,7 +166,12 @@ def import_vllm() -> SimpleNamespace:
         from vllm.v1.engine.async_llm import AsyncLLM
     except ImportError as err:
         raise ConfigError(f"engine 'vllm' needs vLLM: pip install 'miles[vllm]' ({err})") from err
+    try:  # vLLM's errors caused by the request (older vLLM raises ValueError for those)
+        from vllm.exceptions import VLLMClientError
+    except ImportError:
+        VLLMClientError = ValueError  # noqa: N806
     return SimpleNamespace(AsyncEngineArgs=AsyncEngineArgs, AsyncLLM=AsyncLLM,
+                           RequestErrors=(VLLMClientError, ValueError),
                            LoRARequest=LoRARequest, SamplingParams=VLLMSamplingParams,
                            FINAL_ONLY=RequestOutputKind.FINAL_ONLY,
                            DELTA=RequestOutputKind.DELTA,
@@ -365,12 +370,16 @@ class VLLMEngine(TokenizedEngine):
         args = self._vllm.AsyncEngineArgs(**engine_args(model_dir, settings, self._max_lora_rank,
                                                          on_cpu=self._vllm.on_cpu))
         self._llm = None
+        self._context_limit: int | None = settings.max_model_len or None
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="vllm-engine",
                                         daemon=True)
         self._thread.start()
         try:
             self._llm = self._call(self._start(args), "start vLLM")
+            served_len = getattr(getattr(self._llm, "model_config", None), "max_model_len", None)
+            if isinstance(served_len, int) and served_len > 0:
+                self._context_limit = served_len
             if settings.warmup:
                 self.warm_up()
         except BaseException:
@@ -380,6 +389,11 @@ class VLLMEngine(TokenizedEngine):
     @property
     def policy_version(self) -> int:
         return self._versions.current.policy_version
+
+    @property
+    def context_limit(self) -> int | None:
+        """vLLM's `max_model_len` (the setting, or the model's maximum vLLM chose)."""
+        return self._context_limit
 
     def generate(self, prompts: list[list[int]], params: SamplingParams, *,
                  seed: int | None = None,
@@ -511,7 +525,8 @@ class VLLMEngine(TokenizedEngine):
 
     def _call(self, coro: Any, what: str) -> Any:
         """Run `coro` on the engine's loop and wait, at most timeout_s. vLLM's errors become
-        EngineError; if the engine died with them, MilesError (nothing to retry)."""
+        EngineError (EngineRejectedError for an error the request caused, e.g. a prompt longer
+        than max_model_len); if the engine died with them, MilesError (nothing to retry)."""
         future = asyncio.run_coroutine_threadsafe(coro, self._loop)
         try:
             return future.result(self.settings.timeout_s)
@@ -523,12 +538,15 @@ class VLLMEngine(TokenizedEngine):
 
     def _failure(self, what: str, err: BaseException) -> MilesError:
         """vLLM's error `err` as this engine raises it: EngineError (a timeout, a failed call),
-        or MilesError if the engine died with it (nothing to retry)."""
+        EngineRejectedError (vLLM refused the request itself: retrying it cannot help), or
+        MilesError if the engine died with it (nothing to retry)."""
         cause = err.exceptions[0] if isinstance(err, ExceptionGroup) else err
         if isinstance(cause, TimeoutError):
             return EngineError(f"{what}: no answer within {self.settings.timeout_s} s")
         if getattr(self._llm, "errored", False):
             return MilesError(f"{what}: the vLLM engine died: {cause!r}")
+        if isinstance(cause, self._vllm.RequestErrors):
+            return EngineRejectedError(f"{what}: {cause!r}")
         return EngineError(f"{what}: {cause!r}")
 
     def _remove_adapters(self, retired: list[Served]) -> None:

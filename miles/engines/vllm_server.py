@@ -69,7 +69,7 @@ from miles.engines.base import Completion, TokenizedEngine, checked_stop_strings
 from miles.engines.vllm_api import (ERROR_TEXT_CHARS, adapter_name, check_processed_logprobs,
                                     completion_request, error_message, parse_completions,
                                     parse_model_cards, pick_base_model, probe_request)
-from miles.errors import ConfigError, EngineError, EngineUnavailableError
+from miles.errors import ConfigError, EngineError, EngineRejectedError, EngineUnavailableError
 from miles.rl.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -91,6 +91,7 @@ class VLLMServerSettings:
     adapter_prefix: str = "miles"  # adapters are named <prefix>-v<version>; unique per producer
     seeded: bool = False  # send seeds: one request per prompt (reproducible, slower sampling)
     check_logprobs_mode: bool = True  # probe at start-up that logprobs are processed_logprobs
+    max_model_len: int = 0  # the server's context, when its /v1/models does not say (0: unknown)
 
     def __post_init__(self) -> None:
         if not re.match(r"^https?://[^/]+", self.base_url):
@@ -100,6 +101,8 @@ class VLLMServerSettings:
         if not re.fullmatch(r"[A-Za-z0-9_.-]+", self.adapter_prefix):
             raise ConfigError(f"adapter_prefix must be letters, digits, '_', '.' or '-', "
                               f"got {self.adapter_prefix!r}")
+        if self.max_model_len < 0:
+            raise ConfigError(f"max_model_len must be >= 0, got {self.max_model_len}")
 
 
 class HTTPStatusError(EngineError):
@@ -115,7 +118,13 @@ class UnavailableStatusError(HTTPStatusError, EngineUnavailableError):
     restarts; like a refused connection, the same call may succeed later."""
 
 
+class RejectedStatusError(HTTPStatusError, EngineRejectedError):
+    """400 or 422: the server refused the request for what it asked (vLLM's validation: a
+    prompt plus max_tokens past max_model_len, a bad value); sending it again fails again."""
+
+
 UNAVAILABLE_STATUSES = (502, 503, 504)
+REJECTED_STATUSES = (400, 422)
 
 
 class VLLMServerEngine(TokenizedEngine):
@@ -126,7 +135,7 @@ class VLLMServerEngine(TokenizedEngine):
     def __init__(self, base_url: str, model: str, tokenizer_dir: str | Path, *,
                  timeout_s: float = 600.0, lora: bool = True, api_key: str = "",
                  adapter_prefix: str = "miles", seeded: bool = False,
-                 check_logprobs_mode: bool = True):
+                 check_logprobs_mode: bool = True, max_model_len: int = 0):
         VLLMServerSettings(base_url=base_url, model=model, timeout_s=timeout_s,  # validates
                            adapter_prefix=adapter_prefix)
         self.base_url = server_root(base_url)
@@ -147,6 +156,7 @@ class VLLMServerEngine(TokenizedEngine):
         self._policy_version = 0
         cards = parse_model_cards(self._call("GET", "/v1/models"))
         self.base_model = pick_base_model(cards, model)
+        self._context_limit = served_context(cards, self.base_model) or max_model_len or None
         self._served = self.base_model  # the model name requests use: base or current adapter
         self._served_dir: Path | None = None  # the current adapter's folder (None: base model)
         if lora:
@@ -165,7 +175,13 @@ class VLLMServerEngine(TokenizedEngine):
         return cls(settings.base_url, settings.model, tokenizer_dir, timeout_s=settings.timeout_s,
                    lora=lora, api_key=os.environ.get(settings.api_key_env, ""),
                    adapter_prefix=settings.adapter_prefix, seeded=settings.seeded,
-                   check_logprobs_mode=settings.check_logprobs_mode)
+                   check_logprobs_mode=settings.check_logprobs_mode,
+                   max_model_len=settings.max_model_len)
+
+    @property
+    def context_limit(self) -> int | None:
+        """The base model card's `max_model_len` (vLLM lists it), else the setting."""
+        return self._context_limit
 
     @property
     def served_model(self) -> str:
@@ -319,6 +335,12 @@ class VLLMServerEngine(TokenizedEngine):
                                  what=f"{method} {self.base_url}{path}")
 
 
+def served_context(cards: list[dict[str, Any]], model: str) -> int:
+    """The `max_model_len` the card of `model` gives (0: none given)."""
+    value = next((c.get("max_model_len") for c in cards if c["id"] == model), None)
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 0
+
+
 def taken(err: HTTPStatusError) -> bool:
     """Whether the server refused a load because it already holds an adapter of that name."""
     return err.status == 400 and "already been loaded" in str(err)
@@ -333,7 +355,8 @@ def server_root(base_url: str) -> str:
 def decode_reply(what: str, status: int, raw: bytes, *, reply_json: bool = True) -> Any:
     """The JSON (or text) of a 2xx reply; any other status raises with the server's message."""
     if not 200 <= status < 300:
-        error = UnavailableStatusError if status in UNAVAILABLE_STATUSES else HTTPStatusError
+        error = (UnavailableStatusError if status in UNAVAILABLE_STATUSES else
+                 RejectedStatusError if status in REJECTED_STATUSES else HTTPStatusError)
         raise error(what, status, error_message(raw))
     if not reply_json:
         return raw.decode("utf-8", errors="replace")

@@ -135,9 +135,17 @@ class Environment(ABC):
 
     `stop_strings` end a model turn besides EOS (the engine stops there and the string is part of
     the action), e.g. `("</tool_call>",)`.
+
+    `own_thread` (True): each episode's instance runs on its own thread and event loop, so a
+    method that blocks (`time.sleep`, CPU work, a blocking client) holds only its episode, and
+    the step timeout still fires. Its asyncio objects are its own: do not share an asyncio
+    lock, event, queue or client between episodes (threading primitives work). False runs it
+    on the producer's loop: cheaper, asyncio objects can be shared, but a call that blocks
+    stalls every episode and the producer (see docs/environments.md, "Where it runs").
     """
 
     stop_strings: ClassVar[tuple[str, ...]] = ()
+    own_thread: ClassVar[bool] = True
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)

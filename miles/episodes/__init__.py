@@ -9,8 +9,10 @@ them); `EpisodeRecord.sample()` is the wire `Sample` (1.4 episode fields). The p
 
 from miles.episodes.rendering import (MESSAGES_KEY, Context, Renderer, check_stop_strings,
                                       prompt_ids, task_of)
-from miles.episodes.runner import EpisodeRunner, EpisodeSettings, is_single_turn, within_budget
+from miles.episodes.runner import (EpisodeRunner, EpisodeSettings, context_warning, is_single_turn,
+                                   within_budget)
 from miles.episodes.samples import EpisodeRecord, Turn
 
-__all__ = ["MESSAGES_KEY", "Context", "check_stop_strings", "EpisodeRecord", "EpisodeRunner", "EpisodeSettings",
-           "Renderer", "Turn", "is_single_turn", "prompt_ids", "task_of", "within_budget"]
+__all__ = ["MESSAGES_KEY", "Context", "EpisodeRecord", "EpisodeRunner", "EpisodeSettings",
+           "Renderer", "Turn", "check_stop_strings", "context_warning", "is_single_turn",
+           "prompt_ids", "task_of", "within_budget"]

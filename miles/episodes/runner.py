@@ -6,14 +6,18 @@ a completion, `step` the environment with it, append the observation's ids (`Ren
 every episode that is waiting for its next turn and generates them in one engine call (in the
 engine's thread, `generate_in_engine`); environment calls run meanwhile as asyncio tasks, so an
 episode whose environment is slow simply misses this round and joins a later one, and nobody
-waits for it. Every environment call (`reset`, `step`, `close`) is bounded by
-`env_step_timeout_s`.
+waits for it. Every environment call (build, `reset`, `step`, `close`) is bounded by
+`env_step_timeout_s` and runs on the episode's own thread and event loop
+(`miles.episodes.hosting`; `Environment.own_thread`), so an environment that blocks holds its
+own episode only, and its timeout fires on the producer's loop.
 
 Failures: an environment that raises or times out, a chat template that breaks the prefix
 rule (`EpisodeError`) or a malformed task fail that episode only: it is recorded with its
 reason (`EpisodeRecord.failure`, "kind: message"; the sample's `error`, finish reason "abort"
-and `episode["failed"]`) and the producer never publishes it for training. An `EngineError`
-fails the whole batch (the producer retries it), after every environment is closed.
+and `episode["failed"]`) and the producer never publishes it for training. So does a request
+the engine refuses for what it asks (`EngineRejectedError`, "engine_rejected": the rows of the
+refused call are generated one by one to find it). Any other `EngineError` fails the whole
+batch (the producer retries it), after every environment is closed.
 
 Limits (`EpisodeSettings`): a turn samples at most `sampling.max_new_tokens` and never past
 `max_total_tokens` for the episode; after `max_turns` turns, an observation longer than
@@ -23,6 +27,14 @@ observation: truncating an observation would show the model something the enviro
 said (and cut a chat template's markup in half). A last turn cut by its token budget is
 "length" too. One engine call uses the largest budget of its rows; a row past its own budget
 is cut there, which keeps a valid sample of the shorter budget.
+
+The engine's context (`RolloutEngine.context_limit`: hf's max_position_embeddings, vLLM's
+max_model_len) bounds the whole sequence, prompt included: a turn never asks for more than the
+room left (vLLM refuses such a request; hf would sample at positions the model never saw), and
+an observation that would leave no room ends the episode truncated ("max_context"); a first
+prompt that fills the context fails its episode ("max_context"). Rows near the context get an
+engine call of their own per room left (the call's budget is the largest of its rows), so the
+one call per round holds until episodes reach the context.
 
 Streaming (`stream_turns`, the HF engine): instead of rounds, each turn is submitted to the
 engine's continuous batcher (`TurnStream`, `miles.engines.hf_stream`) the moment its episode
@@ -41,23 +53,29 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import math
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from typing import Any, Union
 
 import numpy as np
 
 from miles.engines.base import Completion, RolloutEngine
 from miles.envs import (INFO_ERROR, INFO_TOOL_CALLS, INFO_TOOL_ERRORS, Action, Environment,
                         EnvironmentFactory, SingleTurn, Step)
+from miles.episodes.hosting import (MAX_ABANDONED_THREADS, LoopHost, ThreadHost,
+                                    abandoned_threads, runs_in_own_thread)
 from miles.episodes.rendering import Context, Renderer, task_of
 from miles.episodes.samples import EpisodeRecord, Turn
-from miles.errors import ConfigError, EngineError, EpisodeError
+from miles.errors import ConfigError, EngineError, EngineRejectedError, EpisodeError
 from miles.protocol import PromptTask
 from miles.rl.sampling import SamplingParams
 
 GenerateFn = Callable[..., Awaitable[list[list[Completion]]]]
 InEngineFn = Callable[..., Awaitable]  # (fn, *args): fn(*args) in the engine's thread
+Host = Union[LoopHost, ThreadHost]
+ROUND_GATHER_S = 0.05  # a round waits this long at most for episodes in environment calls
 
 
 async def _in_thread(fn, *args):
@@ -96,6 +114,8 @@ class EpisodeSettings:
 class _Request:
     prompt: list[int]
     budget: int
+    ceiling: int  # the most tokens the engine may be asked for here (its context's room)
+    order: int  # its episode's position in the batch: rows go to the engine in this order
     stop_strings: tuple[str, ...]
     future: asyncio.Future
 
@@ -122,6 +142,7 @@ class EpisodeRunner:
         self.rounds = 0  # engine calls made (streamed: decoding steps)
         self._requests: list[_Request] = []
         self._wake = asyncio.Event()
+        self._in_env = 0  # episodes in an environment call now
         self._stream = TurnStream(engine, in_engine) if settings.stream_turns else None
 
     async def run(self, prompts: list[tuple[PromptTask, list[int]]],
@@ -131,8 +152,9 @@ class EpisodeRunner:
         limit = asyncio.Semaphore(self.settings.max_concurrent or len(prompts) * self.sampling.n)
         if self._stream is not None:
             self._stream.seed = seed
-        tasks = [asyncio.create_task(self._episode(i, task, ids, limit))
-                 for i, (task, ids) in enumerate(prompts) for _ in range(self.sampling.n)]
+        tasks = [asyncio.create_task(self._episode(i, task, ids, limit, order))
+                 for order, (i, (task, ids)) in enumerate(
+                     (i, p) for i, p in enumerate(prompts) for _ in range(self.sampling.n))]
         try:
             await self._schedule(tasks, seed)
         except BaseException:
@@ -164,7 +186,9 @@ class EpisodeRunner:
                 await self._stream.step()
                 continue
             if self._requests:
+                await self._gather()
                 requests, self._requests = self._requests, []
+                requests.sort(key=lambda r: r.order)  # not arrival order: threads race
                 await self._round(requests, seed + self.rounds)
                 continue
             waker = asyncio.ensure_future(self._wake.wait())
@@ -173,30 +197,60 @@ class EpisodeRunner:
             finally:
                 waker.cancel()
 
+    async def _gather(self) -> None:
+        """Give the episodes in environment calls up to `ROUND_GATHER_S` to join this round:
+        a call on an environment's thread comes back through the loop a moment after it ends,
+        and without the wait fast environments would miss every round and double the engine
+        calls. A slower environment misses the round, as before."""
+        deadline = time.monotonic() + ROUND_GATHER_S
+        while self._in_env and (left := deadline - time.monotonic()) > 0:
+            self._wake.clear()
+            try:
+                await asyncio.wait_for(self._wake.wait(), left)
+            except TimeoutError:
+                return
+
     async def _round(self, requests: list[_Request], seed: int) -> None:
-        """One engine call per distinct set of stop strings among `requests` (one, when every
-        environment of the factory has the class's); each row cut to its own budget."""
+        """One engine call per distinct (stop strings, ceiling) among `requests` (one, when
+        every environment of the factory has the class's and no episode is near the engine's
+        context); each row cut to its own budget."""
         self.rounds += 1
-        by_stops: dict[tuple[str, ...], list[_Request]] = {}
+        calls: dict[tuple[tuple[str, ...], int], list[_Request]] = {}
         for request in requests:
-            by_stops.setdefault(request.stop_strings, []).append(request)
-        for stops, rows in by_stops.items():
-            params = dataclasses.replace(self.sampling, n=1,
-                                         max_new_tokens=max(r.budget for r in rows))
+            calls.setdefault((request.stop_strings, request.ceiling), []).append(request)
+        for (stops, _), rows in calls.items():
+            await self._generate_rows(rows, stops, seed)
+
+    async def _generate_rows(self, rows: list[_Request], stops: tuple[str, ...],
+                             seed: int) -> None:
+        """Generate `rows` in one engine call. A request the engine refuses (EngineRejectedError:
+        retrying cannot help) is found by generating the rows one by one, and fails its own
+        episode ("engine_rejected"), not the batch."""
+        params = dataclasses.replace(self.sampling, n=1,
+                                     max_new_tokens=max(r.budget for r in rows))
+        try:
             groups = await self.generate_in_engine([r.prompt for r in rows], params, seed=seed,
                                                    stop_strings=stops)
-            for row, (completion,) in zip(rows, groups, strict=True):
-                row.future.set_result(within_budget(completion, row.budget))
+        except EngineRejectedError as err:
+            if len(rows) == 1:
+                rows[0].future.set_exception(EpisodeError("engine_rejected", str(err)))
+                return
+            for row in rows:
+                await self._generate_rows([row], stops, seed)
+            return
+        for row, (completion,) in zip(rows, groups, strict=True):
+            row.future.set_result(within_budget(completion, row.budget))
 
-    async def _next_turn(self, prompt: list[int], budget: int,
-                         stop_strings: tuple[str, ...]) -> TurnResult:
+    async def _next_turn(self, prompt: list[int], budget: int, ceiling: int,
+                         stop_strings: tuple[str, ...], order: int) -> TurnResult:
         if self._stream is not None:
             params = dataclasses.replace(self.sampling, n=1, max_new_tokens=budget)
             future = self._stream.submit(prompt, params, stop_strings)
             self._wake.set()
             return await future
         future = asyncio.get_running_loop().create_future()
-        self._requests.append(_Request(list(prompt), budget, stop_strings, future))
+        self._requests.append(_Request(list(prompt), budget, ceiling, order, stop_strings,
+                                       future))
         self._wake.set()
         completion = await future
         return TurnResult(completion, np.full(len(completion.token_ids),
@@ -205,36 +259,43 @@ class EpisodeRunner:
     # -- one episode --------------------------------------------------------------------------
 
     async def _episode(self, index: int, task: PromptTask, prompt_ids: list[int],
-                       limit: asyncio.Semaphore) -> EpisodeRecord:
-        record = EpisodeRecord(task_index=index)
+                       limit: asyncio.Semaphore, order: int) -> EpisodeRecord:
+        record = EpisodeRecord(task_index=index, order=order)
         async with limit:
+            if abandoned_threads() >= MAX_ABANDONED_THREADS:
+                record.fail("env_stuck", f"{abandoned_threads()} environment threads are still "
+                                         f"running past their timeout; no new episode starts")
+                return record
+            host = (ThreadHost(f"env-{index}") if runs_in_own_thread(self.factory)
+                    else LoopHost())
             env: Environment | None = None
             try:
-                env = await self._env_call(record, "build", _build(self.factory))
-                context = await self._start(record, env, task, prompt_ids)
-                await self._turns(record, env, context)
+                env = await self._env_call(record, host, "build", self.factory)
+                context = await self._start(record, host, env, task, prompt_ids)
+                await self._turns(record, host, env, context)
             except EpisodeError as failure:
                 record.fail(failure.kind, str(failure))
             finally:
-                if env is not None:
-                    await self._close(record, env)
+                await self._close(record, host, env)
         return record
 
-    async def _start(self, record: EpisodeRecord, env: Environment, task: PromptTask,
-                     prompt_ids: list[int]) -> Context:
+    async def _start(self, record: EpisodeRecord, host: Host, env: Environment,
+                     task: PromptTask, prompt_ids: list[int]) -> Context:
         episode_task = task_of(task)
-        first = await self._env_call(record, "reset", env.reset(episode_task))
+        first = await self._env_call(record, host, "reset", env.reset, episode_task)
         with record.working():
             context = self.renderer.first(episode_task, first, prompt_ids,
                                           tools=env.tool_schemas())
             record.prompt = list(context.ids)
         return context
 
-    async def _turns(self, record: EpisodeRecord, env: Environment, context: Context) -> None:
+    async def _turns(self, record: EpisodeRecord, host: Host, env: Environment,
+                     context: Context) -> None:
         while True:
-            budget = min(self.sampling.max_new_tokens,
-                         self.settings.max_total_tokens - record.length)
-            result = await self._next_turn(context.ids, budget, env.stop_strings)
+            ceiling = self._ceiling(context)
+            budget = min(ceiling, self.settings.max_total_tokens - record.length)
+            result = await self._next_turn(context.ids, budget, ceiling, env.stop_strings,
+                                           record.order)
             completion = result.completion
             with record.working():
                 text = self.engine.decode(completion.token_ids)
@@ -242,10 +303,23 @@ class EpisodeRunner:
                 turn = Turn(completion, versions=result.versions)
                 record.turns.append(turn)
                 action = Action(text, completion.token_ids.tolist(), completion.finish_reason)
-            step = await self._env_call(record, "step", env.step(action))
+            step = await self._env_call(record, host, "step", env.step, action)
             with record.working():
                 if not self._goes_on(record, context, turn, text, step):
                     return
+
+    def _ceiling(self, context: Context) -> int:
+        """The most tokens the next turn may sample: `max_new_tokens`, or less where the
+        engine's context has less room left. No room at all can only be the first turn's (a
+        later one is truncated before, `_goes_on`): the episode fails ("max_context")."""
+        limit = self.engine.context_limit
+        if limit is None:
+            return self.sampling.max_new_tokens
+        room = limit - len(context.ids)
+        if room < 1:
+            raise EpisodeError("max_context", f"the first prompt's {len(context.ids)} tokens "
+                                              f"fill the engine's context of {limit}")
+        return min(self.sampling.max_new_tokens, room)
 
     def _goes_on(self, record: EpisodeRecord, context: Context, turn: Turn, text: str,
                  step: Step) -> bool:
@@ -268,6 +342,9 @@ class EpisodeRunner:
         if record.length + len(observation) >= limits.max_total_tokens:
             record.truncated = "max_total_tokens"
             return False
+        if (self.engine.context_limit or math.inf) <= len(context.ids) + len(observation):
+            record.truncated = "max_context"  # no room left for the model's next turn
+            return False
         turn.observation = observation
         context.ids += observation
         return True
@@ -280,12 +357,15 @@ class EpisodeRunner:
         if step.done and step.info.get(INFO_ERROR) is not None:
             record.reward_error = str(step.info[INFO_ERROR])
 
-    async def _env_call(self, record: EpisodeRecord, what: str, call: Awaitable):
-        """`call` within the step timeout, its time counted; EpisodeError if it raises or times
-        out (environments are user code: any exception is theirs)."""
+    async def _env_call(self, record: EpisodeRecord, host: Host, what: str, fn: Callable,
+                        *args: Any) -> Any:
+        """`fn(*args)` on the environment's host within the step timeout, its time counted;
+        EpisodeError if it raises or times out (environments are user code: any exception is
+        theirs)."""
         began = time.perf_counter()
+        self._in_env += 1
         try:
-            return await asyncio.wait_for(call, self.settings.env_step_timeout_s)
+            return await host.call(fn, *args, timeout_s=self.settings.env_step_timeout_s)
         except TimeoutError:
             raise EpisodeError("env_timeout", f"{what} took more than "
                                             f"{self.settings.env_step_timeout_s} s") from None
@@ -293,12 +373,20 @@ class EpisodeRunner:
             raise EpisodeError("env_error", f"{what} raised {type(err).__name__}: {err}") from None
         finally:
             record.env_s += time.perf_counter() - began
+            self._in_env -= 1
+            self._wake.set()
 
-    async def _close(self, record: EpisodeRecord, env: Environment) -> None:
+    async def _close(self, record: EpisodeRecord, host: Host, env: Environment | None) -> None:
+        """Close `env` (if it was built) and release its host; a stuck host (a call timed
+        out) closes it on its own thread once the call returns, nobody waiting for it."""
+        later = env.close if env is not None and host.stuck else None
         try:
-            await self._env_call(record, "close", env.close())
+            if env is not None and not host.stuck:
+                await self._env_call(record, host, "close", env.close)
         except EpisodeError as failure:
             record.fail(failure.kind, str(failure))
+        finally:
+            host.release(later, self.settings.env_step_timeout_s)
 
 
 class TurnStream:
@@ -358,10 +446,6 @@ class TurnStream:
             self.sampler.abort(request)
 
 
-async def _build(factory: EnvironmentFactory) -> Environment:
-    return factory()
-
-
 def within_budget(completion: Completion, budget: int) -> Completion:
     """`completion` cut to `budget` tokens ("length"): the first `budget` tokens of a longer
     response are what a call with that budget would have sampled."""
@@ -370,6 +454,17 @@ def within_budget(completion: Completion, budget: int) -> Completion:
     return Completion(token_ids=completion.token_ids[:budget].copy(),
                       logprobs=completion.logprobs[:budget].copy(), finish_reason="length",
                       policy_version=completion.policy_version)
+
+
+def context_warning(settings: EpisodeSettings, limit: int | None) -> str | None:
+    """What to warn about at start-up when `max_total_tokens` does not fit the engine's
+    context `limit` with any prompt (episodes then end at the context, "max_context")."""
+    if limit is None or settings.max_total_tokens < limit:
+        return None
+    return (f"episodes.max_total_tokens ({settings.max_total_tokens}) plus a prompt does not "
+            f"fit the engine's context ({limit} tokens): episodes end truncated "
+            f"(\"max_context\") when the context is full; lower episodes.max_total_tokens below "
+            f"{limit} minus the longest prompt")
 
 
 def is_single_turn(factory: EnvironmentFactory) -> bool:

@@ -45,6 +45,7 @@ class EpisodeRecord:
     """Everything known about one episode; `sample()` is its wire form."""
 
     task_index: int
+    order: int = 0  # its position among the batch's episodes (its rows' order in a round)
     prompt: list[int] | None = None  # the first prompt's ids (the group's prompt_token_ids)
     turns: list[Turn] = field(default_factory=list)
     tool_calls: int = 0

@@ -33,7 +33,7 @@ from miles.engines.vllm_engine import (MAX_LORA_RANKS, ServedVersions, Served, V
                                        VLLMEngineSettings, engine_args,
                                        lora_rank_limit, parse_request_output, request_values)
 from miles.engines.vllm_weights import WeightLoader
-from miles.errors import ConfigError, EngineError, MilesError
+from miles.errors import ConfigError, EngineError, EngineRejectedError, MilesError
 from miles.rl.sampling import SamplingParams
 from tests.factories import tokenizer_folder
 
@@ -184,7 +184,7 @@ class FakeAsyncLLM:
 
 FAKE_VLLM = SimpleNamespace(AsyncEngineArgs=dict, AsyncLLM=FakeAsyncLLM, LoRARequest=LoRARequest,
                             SamplingParams=FakeSamplingParams, FINAL_ONLY="FINAL_ONLY", DELTA="DELTA",
-                            on_cpu=False)
+                            RequestErrors=(ValueError,), on_cpu=False)
 
 
 @pytest.fixture
@@ -683,13 +683,28 @@ def wait(condition, timeout_s: float = 5.0) -> None:
 def test_vllm_errors_become_engine_errors(make_engine):
     engine, llm = make_engine()
     llm.fail["generate"] = ValueError("The decoder prompt (length 9000) is longer than ...")
-    with pytest.raises(EngineError, match="generate: ValueError\\('The decoder prompt"):
+    with pytest.raises(EngineRejectedError, match="generate: ValueError\\('The decoder prompt"):
+        engine.generate(PROMPTS, PARAMS)  # the request's fault: its caller fails what asked
+    llm.fail["generate"] = RuntimeError("a worker hiccup")
+    with pytest.raises(EngineError) as info:
         engine.generate(PROMPTS, PARAMS)
+    assert not isinstance(info.value, EngineRejectedError)
     llm.fail["generate"] = RuntimeError("EngineCore died")
     llm.errored = True
     with pytest.raises(MilesError, match="the vLLM engine died") as info:
         engine.generate(PROMPTS, PARAMS)
     assert not isinstance(info.value, EngineError)
+
+
+def test_the_context_limit_is_the_max_model_len_vllm_serves(make_engine, monkeypatch):
+    engine, _ = make_engine(VLLMEngineSettings(max_model_len=512, warmup=False))
+    assert engine.context_limit == 512
+    engine, _ = make_engine(VLLMEngineSettings(warmup=False))
+    assert engine.context_limit is None  # the fake tells nothing; the real one always does
+    monkeypatch.setattr(FakeAsyncLLM, "model_config", SimpleNamespace(max_model_len=2048),
+                        raising=False)
+    engine, _ = make_engine(VLLMEngineSettings(warmup=False))
+    assert engine.context_limit == 2048  # the model's maximum, which vLLM chose
 
 
 def test_a_slow_generate_times_out_and_aborts_its_requests(make_engine):

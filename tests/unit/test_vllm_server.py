@@ -23,7 +23,7 @@ from miles.engines.vllm_api import (check_processed_logprobs, completion_request
                                     parse_completions, pick_base_model, probe_request)
 from miles.engines.vllm_server import (VLLMServerEngine, VLLMServerSettings, run_with_deadline,
                                        server_root)
-from miles.errors import ConfigError, EngineError, EngineUnavailableError
+from miles.errors import ConfigError, EngineError, EngineRejectedError, EngineUnavailableError
 from miles.rl.sampling import SamplingParams
 from tests.factories import tokenizer_folder
 
@@ -550,6 +550,30 @@ def test_http_errors_carry_the_server_message(fake, tokenizer_dir, reply, messag
     assert message in str(info.value)
 
 
+def test_a_refused_request_is_the_requests_fault(fake, tokenizer_dir):
+    """A 400 (vLLM's validation: prompt plus max_tokens past max_model_len) fails the same way
+    again: EngineRejectedError, which callers never retry; a 500 stays a plain EngineError."""
+    fake.route("POST", "/v1/completions", (400, recorded("error_context_length.json")),
+               (500, "Internal Server Error"))
+    engine = engine_for(fake, tokenizer_dir)
+    with pytest.raises(EngineRejectedError, match="maximum context length is 64"):
+        engine.generate(PROMPTS, PARAMS)
+    with pytest.raises(EngineError) as info:
+        engine.generate(PROMPTS, PARAMS)
+    assert not isinstance(info.value, EngineRejectedError)
+
+
+def test_the_context_limit_comes_from_the_model_card(fake, tokenizer_dir):
+    assert engine_for(fake, tokenizer_dir).context_limit == 64  # models.json's max_model_len
+    models = recorded("models.json")
+    del models["data"][0]["max_model_len"]
+    fake.route("GET", "/v1/models", models)
+    assert engine_for(fake, tokenizer_dir).context_limit is None
+    assert engine_for(fake, tokenizer_dir, max_model_len=256).context_limit == 256
+    with pytest.raises(ConfigError, match="max_model_len must be >= 0"):
+        VLLMServerSettings(max_model_len=-1)
+
+
 def test_a_slow_server_times_out(fake, tokenizer_dir):
     engine = engine_for(fake, tokenizer_dir, timeout_s=0.5)
     fake.route("POST", "/v1/completions", recorded("completion_2x2.json"), delay=3.0)
@@ -640,3 +664,31 @@ def test_a_server_that_is_down_is_unavailable_not_a_refusal(fake, tokenizer_dir,
     with pytest.raises(EngineUnavailableError, match="completions"):
         engine.generate(PROMPTS, PARAMS)
     assert engine.policy_version == 0
+
+
+# -- episodes on the server engine ----------------------------------------------------------------
+
+async def test_a_refused_turn_fails_its_episode_not_the_batch(fake, tokenizer_dir):
+    """The server refuses the round's call (400) and then, generated one by one, only the
+    second episode's request: that episode fails ("engine_rejected"), the first goes on."""
+    from miles.episodes import EpisodeRunner, EpisodeSettings
+    from miles.protocol import PromptTask
+    from tests import envs
+
+    one = recorded("completion_2x2.json")
+    one["choices"] = one["choices"][:1]
+    refused = (400, recorded("error_context_length.json"))
+    fake.route("POST", "/v1/completions", refused, one, refused)
+    engine = engine_for(fake, tokenizer_dir)
+
+    async def generate(prompts, params, **kwargs):
+        return engine.generate(prompts, params, **kwargs)
+
+    runner = EpisodeRunner(engine, envs.Counter, EpisodeSettings(),
+                           SamplingParams(n=1, max_new_tokens=3), generate_in_engine=generate)
+    tasks = [PromptTask(task_id=name, prompt="2+2=", metadata={"turns": 1}, created_at=0.0)
+             for name in ("ok", "refused")]
+    (ok,), (bad,) = await runner.run([(t, PROMPTS[0]) for t in tasks], seed=0)
+    assert ok.failure is None and ok.turns[0].completion.token_ids.tolist() == [8, 6, 2]
+    assert bad.failure_kind == "engine_rejected" and "maximum context length" in bad.failure
+    assert [len(body["prompt"]) for body in fake.posted("/v1/completions")] == [2, 1, 1]
