@@ -77,3 +77,15 @@ def test_a_killed_kafka_run_resumes_with_every_group_judged_once(kafka_broker, m
     assert len(assert_judged_once(out, published, lettered)) == 7
     producers = {g.split("/")[2] for e in ledger(out) for g in e["trained"]}
     assert producers == {"producer-0", "producer-1"}
+
+
+def test_a_kafka_run_trains_on_two_ranks_under_torchrun(kafka_broker, model_dir, tmp_path):
+    dataset = write_dataset(tmp_path / "data.jsonl", 64)
+    out = tmp_path / "out"
+    config = write_config(tmp_path / "run.toml", model_dir, out, dataset, max_steps=2,
+                          trainer_ranks=2, bus=kafka_broker.url)
+    log = tmp_path / "run.log"
+    assert start_run(config, log).wait(300) == 0, log.read_text()[-3000:]
+    report = json.loads((out / "report.json").read_text())
+    assert (report["ended_by"], report["steps"]) == ("max_steps", 2)
+    assert "host RAM / 2 local rank(s)" in (out / "trainer.log").read_text()
