@@ -151,11 +151,11 @@ async def test_a_failed_batch_leaves_no_turn_in_the_engine(engine, monkeypatch):
     assert envs.Counter.closed == 4
 
 
-def test_stream_turns_needs_a_continuous_batcher(engine):
+def test_stream_turns_needs_a_continuous_batcher_or_vllm(engine):
     class Batchless:
-        name = "vllm-server"
+        name = "scripted"
 
-    with pytest.raises(ConfigError, match="stream_turns needs an engine with a continuous"):
+    with pytest.raises(ConfigError, match="stream_turns needs the hf, vllm or vllm-server"):
         EpisodeRunner(Batchless(), Environment, STREAM, LONG, generate_in_engine=None)
 
 

@@ -29,13 +29,16 @@ def test_episode_settings_validate(bad):
         load_config(ProducerSettings, overrides=[f"episodes.{bad}"], env={})
 
 
-@pytest.mark.parametrize("engine", ["vllm", "vllm-server"])
-def test_streamed_turns_need_the_hf_engine(engine):
-    with pytest.raises(ConfigError, match=f"stream_turns needs the hf engine.*'{engine}'"):
-        load_config(ProducerSettings, overrides=[f"engine={engine}",
-                                                 "episodes.stream_turns=true"], env={})
-    assert load_config(ProducerSettings, overrides=["episodes.stream_turns=true"],
-                       env={}).episodes.stream_turns
+@pytest.mark.parametrize("engine", ["hf", "vllm", "vllm-server"])
+def test_streamed_turns_run_on_every_engine(engine):
+    settings = load_config(ProducerSettings, overrides=[f"engine={engine}",
+                                                        "episodes.stream_turns=true"], env={})
+    assert settings.episodes.stream_turns
+
+
+def test_streamed_turns_need_an_engine_that_streams():
+    with pytest.raises(ConfigError, match="stream_turns needs one of the engines.*'other'"):
+        EpisodeSettings(stream_turns=True).check_engine("other")
 
 
 def test_a_bad_env_fails_before_the_bus(tmp_path, monkeypatch):

@@ -2,7 +2,8 @@
 ("vllm-server"): three turns with stop strings, every ready episode's turn in one engine call,
 the engine's logprobs equal to the trainer's teacher-forced ones over the policy tokens of the
 whole multi-turn context, and episodes that outgrow max_model_len end at it ("max_context")
-instead of failing the batch (vLLM refuses prompt + max_tokens > max_model_len)."""
+instead of failing the batch (vLLM refuses prompt + max_tokens > max_model_len). With
+`episodes.stream_turns` each turn is a concurrent request of its own, with the same guarantees."""
 
 from __future__ import annotations
 
@@ -92,6 +93,19 @@ def check_three_turns(engine, records, calls, trainer) -> None:
     assert gap <= TIER.logprob_tolerance, gap
 
 
+async def check_streamed_turns(engine, trainer) -> None:
+    """Each turn one engine call (not through the rounds' `generate_in_engine`), every episode
+    three turns, the logprobs the trainer's."""
+    calls = []
+    records = await run_episodes(engine, envs.StopCounter, tasks(),
+                                 EpisodeSettings(stream_turns=True), calls)
+    assert calls == []  # no round: the turns went to the engine one by one
+    assert all(r.failure is None and len(r.turns) == 3 for r in records), [
+        r.failure for r in records]
+    gap = policy_logprob_gap(trainer, records)
+    assert gap <= TIER.logprob_tolerance, gap
+
+
 def check_context_bound(records, calls) -> None:
     for prompts, params, _ in calls:  # what vLLM validates
         assert all(len(p) + params.max_new_tokens <= MAX_MODEL_LEN for p in prompts)
@@ -108,6 +122,7 @@ async def test_episodes_on_the_in_process_engine(engine, trainer):
     calls = []
     check_context_bound(await run_episodes(engine, envs.Counter, tasks(turns=50), LONG, calls),
                         calls)
+    await check_streamed_turns(engine, trainer)
 
 
 async def test_a_request_vllm_refuses_fails_its_episode_only(engine, monkeypatch):
@@ -138,3 +153,4 @@ async def test_episodes_on_the_server(vllm_server, vllm_model_dir, trainer):
     calls = []
     check_context_bound(await run_episodes(engine, envs.Counter, tasks(turns=50), LONG, calls),
                         calls)
+    await check_streamed_turns(engine, trainer)
