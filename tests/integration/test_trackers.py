@@ -3,8 +3,9 @@
 A real trainer (tiny model, embedded bus) logs to TensorBoard, W&B (offline) and MLflow (its
 SQLite store) at once; every number of metrics.jsonl comes back from each tracker at its step
 (TensorBoard keeps float32), and the sample tables come back every `samples_every` steps, the
-same rows as samples.jsonl. Naming an unknown tracker, or one whose library is missing, fails
-when the settings are read.
+same rows as samples.jsonl. The producer's heartbeat counters and the evaluator's held-out
+accuracy reach a tracker under their names. Naming an unknown tracker, or one whose library is
+missing, fails when the settings are read.
 """
 
 from __future__ import annotations
@@ -179,13 +180,84 @@ async def test_no_sample_table_by_default(model_dir, tmp_path):
     assert not (tmp_path / "samples.jsonl").exists()
 
 
+# -- the producer and the evaluator ------------------------------------------------------------
+
+async def test_the_producers_heartbeat_counters_reach_the_tracker(model_dir, tmp_path):
+    from miles.engines.hf import HFEngine
+    from miles.rollout import RolloutConfig, RolloutWorker
+    from miles.tasks.rewards import Scorer, exact_match
+
+    run = unique_run()
+    settings = TrackerSettings(report_to=("tensorboard",))
+    engine = HFEngine(model_dir)
+    async with open_bus("embedded://") as bus:
+        await bus.create_topics(run_topics(run))
+        with open_trackers(settings, role="producer-7", run=run,
+                           default_dir=tmp_path) as trackers:
+            worker = RolloutWorker(bus, engine, Scorer(exact_match),
+                                   RolloutConfig(run=run, producer_id="producer-7"),
+                                   trackers=trackers)
+            worker.counts["producer/groups"] = 5
+            await worker._heartbeat()
+            worker.counts["producer/groups"] = 9
+            await worker._heartbeat()
+    engine.close()
+    events = tensorboard_events(tmp_path / "tensorboard" / run / "producer-7")
+    assert [(e.step, e.value) for e in events.Scalars("producer/groups")] == [(1, 5), (2, 9)]
+    assert {"producer/generate_s", "producer/tokens_per_s", "producer/policy_version"} <= \
+        set(events.Tags()["scalars"])
+
+
+async def test_the_evaluators_held_out_accuracy_reaches_the_tracker(model_dir, tmp_path,
+                                                                   monkeypatch):
+    """Measurements stubbed (the loading and measuring are tested elsewhere): what `follow`
+    does with each point."""
+    from miles.evaluation import Evaluator
+
+    run = unique_run()
+    settings = TrackerSettings(report_to=("tensorboard",))
+    async with open_bus("embedded://") as bus:
+        await bus.create_topics(run_topics(run))
+        with open_trackers(settings, role="evaluator", run=run, default_dir=tmp_path) as tracked:
+            evaluator = Evaluator(bus, run, model_dir, None, [], every_s=0.01, trackers=tracked)
+            accuracies = iter([0.25, 0.5])
+
+            async def load_newest():
+                evaluator.engine._policy_version += 2  # what loading a version does
+                return True
+
+            async def measure():
+                return next(accuracies)
+
+            monkeypatch.setattr(evaluator, "load_newest", load_newest)
+            monkeypatch.setattr(evaluator, "measure", measure)
+            monkeypatch.setattr(evaluator, "read_topics", lambda: asyncio.sleep(0))
+            stop = asyncio.Event()
+            async with evaluator:
+                following = asyncio.create_task(evaluator.follow(stop, 0.0))
+                for _ in range(1000):
+                    if len(evaluator.curve.points) >= 2 or following.done():
+                        break
+                    await asyncio.sleep(0.01)
+                stop.set()
+                await following
+    events = tensorboard_events(tmp_path / "tensorboard" / run / "evaluator")
+    assert [(e.step, e.value) for e in events.Scalars("held_out/accuracy")][:2] == \
+        [(2, 0.25), (4, 0.5)]
+
+
 # -- settings ----------------------------------------------------------------------------------
 
-def test_an_unknown_tracker_is_refused_when_the_settings_are_read():
-    from consumers.trainer import TrainerSettings
+@pytest.mark.parametrize("daemon", ["consumers.trainer:TrainerSettings",
+                                    "producers.rollout:ProducerSettings",
+                                    "consumers.evaluator:EvaluatorSettings"])
+def test_an_unknown_tracker_is_refused_when_the_settings_are_read(daemon):
+    import importlib
 
+    module, name = daemon.split(":")
+    settings = getattr(importlib.import_module(module), name)
     with pytest.raises(ConfigError, match=r"trackers\.report_to: unknown tracker 'comet'"):
-        load_config(TrainerSettings, overrides=["trackers.report_to=tensorboard,comet"], env={})
+        load_config(settings, overrides=["trackers.report_to=tensorboard,comet"], env={})
 
 
 @pytest.mark.parametrize("name", ["tensorboard", "wandb", "mlflow"])
