@@ -20,6 +20,10 @@ While training runs an evaluator follows the announced weight versions and measu
 accuracy on `eval_problems` problems at most every `eval_every_s` seconds; its time counts in the
 RL wall-clock (nothing is paused for it) and is reported as its own fraction.
 
+With `trackers.report_to` (docs/trackers.md) the trainer, the producer and the evaluator each
+log to their own tracker run, `demo-trainer`, `demo-producer-0`, `demo-evaluator` (on Kafka,
+the daemons through their settings), under out_dir/trackers unless `trackers.dir` is set.
+
 Multi-turn (`env`, `miles demo --env multiplication`): the producer plays episodes through the
 environment (both buses; the daemons' settings carry `env` and `episodes`), the warm start is
 the task's format pairs (`WARM_STARTS`), and held-out success is one greedy episode per problem
@@ -66,6 +70,7 @@ from miles.tasks.datasets import BUILT_IN, load_problems
 from miles.tasks.multiplication import warm_start_problems
 from miles.tasks.rewards import Scorer, resolve_reward
 from miles.tasks.tiny_model import build_tiny_model
+from miles.trackers import TrackerSettings, Trackers, open_trackers
 from miles.trainer.learner import Learner, LearnerConfig
 from miles.trainer.loop import LoopConfig, TrainerLoop
 from miles.trainer.runner import StepRunner
@@ -130,6 +135,7 @@ class DemoConfig:
     learner: LearnerConfig = field(default_factory=lambda: LearnerConfig(lr=1e-3))
     groups_per_step: int = 32
     prompts_per_batch: int = 0  # the producer's batch (0: groups_per_step, one step's worth)
+    trackers: TrackerSettings = field(default_factory=TrackerSettings)  # TensorBoard, W&B, MLflow
 
     def __post_init__(self) -> None:
         if self.rl_seconds <= 0:
@@ -152,9 +158,19 @@ class DemoConfig:
         return FollowConfig(store=self.out_dir / "weights",
                             public_key=self.out_dir / "keys" / PUBLIC_KEY_FILE)
 
+    def tracker_settings(self) -> TrackerSettings:
+        """The daemons' trackers, writing under out_dir/trackers unless `trackers.dir`."""
+        return replace(self.trackers, dir=self.trackers.dir or self.out_dir / "trackers")
+
     def loop(self) -> LoopConfig:
         return LoopConfig(run=self.run, out_dir=self.out_dir, groups_per_step=self.groups_per_step,
                           max_staleness=self.max_staleness, checkpoint_every=0)
+
+
+def demo_trackers(config: DemoConfig, role: str) -> Trackers:
+    """The tracker run of one of this process's parts (`role`); the caller closes it."""
+    return open_trackers(config.trackers, role=role, run=config.run,
+                         default_dir=config.out_dir / "trackers", config=config)
 
 
 def env_overrides(name: str | None) -> list[str]:
@@ -223,19 +239,22 @@ async def run_embedded(config: DemoConfig, model_dir: Path, evaluator: Evaluator
     began = time.monotonic()
     engine = demo_engine(config, model_dir)
     engine_start_s = time.monotonic() - began
-    worker = RolloutWorker(bus, engine, evaluator.scorer, config.rollout(),
-                           env=environment(config, evaluator.scorer), episodes=config.episodes)
-    learner = Learner(model_dir, config.learner, lora=config.lora)
-    trainer = TrainerLoop(bus, StepRunner(learner, config.loop(),
-                                          base_model=base_model_id(model_dir)))
-    started = time.monotonic()
     try:
-        async with asyncio.TaskGroup() as tasks:
-            tasks.create_task(worker.run(stop))
-            tasks.create_task(trainer.run(stop))
-            tasks.create_task(evaluator.follow(stop, started))
-            await wait_or_stop(stop, config.rl_seconds)
-            stop.set()
+        with demo_trackers(config, "producer-0") as produced, \
+                demo_trackers(config, "trainer") as trained:
+            worker = RolloutWorker(bus, engine, evaluator.scorer, config.rollout(),
+                                   env=environment(config, evaluator.scorer),
+                                   episodes=config.episodes, trackers=produced)
+            learner = Learner(model_dir, config.learner, lora=config.lora)
+            trainer = TrainerLoop(bus, StepRunner(learner, config.loop(),
+                                                  base_model=base_model_id(model_dir)), trained)
+            started = time.monotonic()
+            async with asyncio.TaskGroup() as tasks:
+                tasks.create_task(worker.run(stop))
+                tasks.create_task(trainer.run(stop))
+                tasks.create_task(evaluator.follow(stop, started))
+                await wait_or_stop(stop, config.rl_seconds)
+                stop.set()
     finally:
         engine.close()
     return {"rl_seconds": time.monotonic() - started, "engine_start_s": engine_start_s,
@@ -263,15 +282,17 @@ def daemon_settings(config: DemoConfig, model_dir: Path) -> dict:
                                      reward_timeout_s=config.reward_timeout_s,
                                      engine=config.engine, vllm=config.vllm,
                                      vllm_server=config.vllm_server, rollout=config.rollout(),
-                                     env=config.env, episodes=config.episodes),
+                                     env=config.env, episodes=config.episodes,
+                                     trackers=config.tracker_settings()),
         "trainer": TrainerSettings(**common, torch_threads=1, learner=config.learner,
-                                   loop=config.loop()),
+                                   loop=config.loop(), trackers=config.tracker_settings()),
         "evaluator": EvaluatorSettings(**common, run=config.run, prompts=config.prompts,
                                        reward=config.reward, every_s=config.eval_every_s,
                                        out=config.out_dir / "evaluation.jsonl",
                                        weights=config.weights(), env=config.env,
                                        episodes=config.episodes,
-                                       turn_tokens=config.sampling.max_new_tokens),
+                                       turn_tokens=config.sampling.max_new_tokens,
+                                       trackers=config.tracker_settings()),
         "recorder": RecorderSettings(bus=config.bus, kafka=config.kafka, run=config.run,
                                      out_dir=config.out_dir / "archive", file_seconds=30.0),
     }
@@ -332,16 +353,17 @@ async def run_demo(config: DemoConfig, stop: asyncio.Event) -> dict:
                                            trajectory_partitions=1))
         await feed(bus, config.run, load_problems(config.prompts, "train"), epochs=2)
         scorer = resolve_reward(config.reward, timeout_s=config.reward_timeout_s)
-        evaluator = Evaluator(bus, config.run, model_dir, config.lora,
-                              held_out[:config.eval_problems], every_s=config.eval_every_s,
-                              scorer=scorer, weights=config.weights(),
-                              episodes=episode_eval(config, scorer))
-        async with evaluator:
-            initial = await evaluator.measure(held_out)
-            run = run_embedded if config.bus.startswith("embedded") else run_processes
-            result = await run(config, model_dir, evaluator, stop)
-            await evaluator.load_final()
-            final = await evaluator.measure(held_out)
+        with demo_trackers(config, "evaluator") as evaluated:
+            evaluator = Evaluator(bus, config.run, model_dir, config.lora,
+                                  held_out[:config.eval_problems], every_s=config.eval_every_s,
+                                  scorer=scorer, weights=config.weights(),
+                                  episodes=episode_eval(config, scorer), trackers=evaluated)
+            async with evaluator:
+                initial = await evaluator.measure(held_out)
+                run = run_embedded if config.bus.startswith("embedded") else run_processes
+                result = await run(config, model_dir, evaluator, stop)
+                await evaluator.load_final()
+                final = await evaluator.measure(held_out)
     return build_report(config, result, evaluator.curve, initial=initial, final=final,
                         held_out=len(held_out), warm_s=warm_s, wall_s=time.monotonic() - began,
                         model_dir=model_dir)
@@ -352,7 +374,7 @@ def fresh_out_dir(out_dir: Path) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     for name in ("checkpoints", "weights"):
         shutil.rmtree(out_dir / name, ignore_errors=True)
-    for name in ("metrics.jsonl", "ledger.jsonl", "report.json", "curves.png"):
+    for name in ("metrics.jsonl", "ledger.jsonl", "samples.jsonl", "report.json", "curves.png"):
         (out_dir / name).unlink(missing_ok=True)
 
 

@@ -268,3 +268,15 @@ def test_a_tracker_whose_library_is_missing_names_the_extra(monkeypatch, name):
     with pytest.raises(ConfigError, match=rf"{name} is not installed: pip install "
                                           rf"'miles\[{name}\]'"):
         load_config(TrainerSettings, overrides=[f"trackers.report_to={name}"], env={})
+
+
+def test_the_demo_hands_its_trackers_to_every_daemon(tmp_path):
+    from miles.demo import DemoConfig, daemon_settings
+
+    config = load_config(DemoConfig, overrides=[f"out_dir={tmp_path}",
+                                                "trackers.report_to=tensorboard",
+                                                "trackers.samples_every=5"], env={})
+    for name in ("producer", "trainer", "evaluator"):
+        trackers = daemon_settings(config, tmp_path / "model")[name].trackers
+        assert trackers.report_to == ("tensorboard",) and trackers.samples_every == 5
+        assert trackers.dir == tmp_path / "trackers"
