@@ -13,9 +13,9 @@ Simplifications: only numbers are logged (the lag histogram and the like stay in
 files); each library reads its own environment for where to send data (`WANDB_MODE=offline`,
 W&B credentials, `MLFLOW_TRACKING_URI`), and without MLFLOW_TRACKING_URI MLflow writes a SQLite
 store in `dir` (its plain-file store is in maintenance mode). No call waits on the network or
-the disk: TensorBoard writes from its own thread, W&B hands records to its service process,
-MLflow logs metrics asynchronously; sample tables, every `samples_every` steps, are the
-exception and are small.
+the disk, nor on the trackers' own work: every call is made by one worker thread per process
+(`Trackers`), in order; besides, TensorBoard writes files from its own thread, W&B hands
+records to its service process, MLflow logs metrics asynchronously.
 """
 
 from __future__ import annotations
@@ -25,11 +25,12 @@ import json
 import os
 import time
 from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, is_dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-from miles.errors import ConfigError
+from miles.errors import ConfigError, MilesError
 
 SAMPLES_KEY = "samples"  # the sample tables' name in every tracker
 MLFLOW_PENDING = 64  # asynchronous MLflow batches in flight before one waits for them
@@ -90,35 +91,70 @@ class Tracker(Protocol):
 
 
 class Trackers:
-    """The trackers of one process; with none, every call does nothing."""
+    """The trackers of one process; with none, every call does nothing. Calls return at once:
+    one worker thread makes them, in order, so a tracker's own work (building a table, a
+    protobuf, a SQLite write) never lengthens the caller's step. A tracker that raises stops
+    this object: the error is raised to the caller at its next call (or at `close`)."""
 
     def __init__(self, settings: TrackerSettings | None = None, backends: Iterable[Tracker] = ()):
         self.settings = settings or TrackerSettings()
         self.backends = list(backends)
+        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="trackers") \
+            if self.backends else None
+        self._error: BaseException | None = None
 
     def log(self, metrics: dict[str, Any], step: int) -> None:
         """Send the numbers of `metrics` (other values are left out) at x = `step`."""
-        if not self.backends:
+        if self._worker is None:
             return
         numbers = {k: float(v) for k, v in metrics.items()
                    if isinstance(v, (int, float)) and not isinstance(v, bool)}
-        for backend in self.backends:
-            backend.log(numbers, step)
+        self._submit("log", numbers, step)
 
     def samples_due(self, step: int) -> bool:
         every = self.settings.samples_every
         return bool(every) and step % every == 0
 
     def log_samples(self, rows: list[dict[str, Any]], step: int) -> None:
-        """One sample table (rows of equal keys) at x = `step`."""
-        if rows:
-            for backend in self.backends:
-                backend.table(rows, step)
+        """One sample table (rows of equal keys, not changed afterwards) at x = `step`."""
+        if rows and self._worker is not None:
+            self._submit("table", rows, step)
 
     def close(self) -> None:
+        """Make the calls still queued, close every tracker, then raise a tracker's error."""
+        if self._worker is not None:
+            self._worker.submit(self._close_all)
+            self._worker.shutdown(wait=True)
+            self._worker = None
+            self._raise()
+
+    def _submit(self, method: str, *args: Any) -> None:
+        self._raise()
+        self._worker.submit(self._call, method, args)
+
+    def _call(self, method: str, args: tuple) -> None:
+        """In the worker thread: `method` of every tracker, unless one has failed."""
+        if self._error is not None:
+            return
+        try:
+            for backend in self.backends:
+                getattr(backend, method)(*args)
+        except BaseException as err:  # handed to the caller's thread by `_raise`
+            self._error = err
+
+    def _close_all(self) -> None:
+        """In the worker thread: close every tracker, also after one failed (W&B, MLflow end
+        their runs)."""
         for backend in self.backends:
-            backend.close()
-        self.backends = []
+            try:
+                backend.close()
+            except BaseException as err:  # raised by `close` in the caller's thread
+                self._error = self._error or err
+
+    def _raise(self) -> None:
+        if self._error is not None:
+            raise MilesError(f"trackers: {type(self._error).__name__}: {self._error}") \
+                from self._error
 
     def __enter__(self) -> Trackers:
         return self
@@ -133,14 +169,15 @@ def open_trackers(settings: TrackerSettings, *, role: str, run: str, default_dir
     run `run`); `config`, a settings dataclass, is recorded with it. Close the result."""
     run_info = TrackedRun(project=settings.project, group=settings.run_name or run, role=role,
                           dir=Path(settings.dir or default_dir), config=_plain(config))
-    trackers = Trackers(settings)
+    backends: list[Tracker] = []
     try:
         for name in settings.report_to:
-            trackers.backends.append(_start(name, run_info))
+            backends.append(_start(name, run_info))
     except BaseException:
-        trackers.close()
+        for backend in backends:
+            backend.close()
         raise
-    return trackers
+    return Trackers(settings, backends)
 
 
 def _plain(config: Any) -> dict[str, Any]:
