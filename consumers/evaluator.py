@@ -10,7 +10,8 @@ records from the trainer and the trainer never waits for it:
   each problem is a greedy episode through that environment, solved when its return is
   positive.
 Every `every_s` seconds it appends a `{"kind": "stream", ...}` line with the stream's numbers to
-`out`, and a `{"kind": "held_out", ...}` line per measurement. Invalid trajectory records
+`out`, and a `{"kind": "held_out", ...}` line per measurement (also sent to the experiment
+trackers as `held_out/accuracy`, `miles.trackers`). Invalid trajectory records
 (tombstones included) are counted, not dead-lettered (the trainer does that); invalid control and
 status records are dead-lettered under the evaluator's own groups, and commands, which it does
 not read, are skipped. Stops on SIGTERM.
@@ -31,6 +32,7 @@ from miles.episodes import EpisodeSettings
 from miles.errors import MilesError
 from miles.protocol import TrajectoryGroup, decode
 from miles.service import daemon_main, wait_or_stop
+from miles.trackers import TrackerSettings
 from miles.weights.following import FollowConfig
 
 
@@ -52,6 +54,7 @@ class EvaluatorSettings:
     env: str = ""  # the run's environment: held-out problems as greedy episodes ("": one answer)
     episodes: EpisodeSettings = field(default_factory=EpisodeSettings)  # the run's limits
     turn_tokens: int = 8  # tokens per model turn with env (the producer's sampling.max_new_tokens)
+    trackers: TrackerSettings = field(default_factory=TrackerSettings)  # TensorBoard, W&B, MLflow
 
 
 class StreamStats:
@@ -90,9 +93,9 @@ async def run_evaluator(settings: EvaluatorSettings, stop: asyncio.Event) -> dic
     from miles.bus import open_bus
     from miles.envs import load_environment
     from miles.evaluation import EpisodeEval, Evaluator
-    from miles.protocol.topics import topic_name
     from miles.tasks.datasets import load_problems
     from miles.tasks.rewards import resolve_reward
+    from miles.trackers import open_trackers
 
     torch.set_num_threads(settings.torch_threads)
     scorer = resolve_reward(settings.reward, timeout_s=settings.reward_timeout_s)
@@ -101,18 +104,28 @@ async def run_evaluator(settings: EvaluatorSettings, stop: asyncio.Event) -> dic
         factory=load_environment(settings.env, reward=scorer), settings=settings.episodes,
         turn_tokens=settings.turn_tokens)
     settings.out.parent.mkdir(parents=True, exist_ok=True)
+    with open_trackers(settings.trackers, role="fanout-evaluator", run=settings.run,
+                       default_dir=settings.out.parent / "trackers", config=settings) as trackers:
+        async with open_bus(settings.bus, settings.kafka) as bus:
+            evaluator = Evaluator(bus, settings.run, settings.model_dir, settings.lora,
+                                  problems, every_s=settings.every_s, scorer=scorer,
+                                  group="fanout-evaluator", weights=settings.weights,
+                                  episodes=episodes, trackers=trackers)
+            return await _evaluate(settings, bus, evaluator, stop)
+
+
+async def _evaluate(settings: EvaluatorSettings, bus, evaluator, stop: asyncio.Event) -> dict:
+    """Read the trajectories stream, measure newer versions and report, until `stop`."""
+    from miles.protocol.topics import topic_name
+
     stats = StreamStats()
-    async with open_bus(settings.bus, settings.kafka) as bus:
-        stream = bus.consumer([topic_name(settings.run, "trajectories")], from_beginning=False,
-                              group_id=f"miles.{settings.run}.fanout-evaluator.trajectories")
-        evaluator = Evaluator(bus, settings.run, settings.model_dir, settings.lora, problems,
-                              every_s=settings.every_s, scorer=scorer, group="fanout-evaluator",
-                              weights=settings.weights, episodes=episodes)
-        async with stream, evaluator:
-            async with asyncio.TaskGroup() as tasks:
-                tasks.create_task(_read_stream(stream, stats, stop))
-                tasks.create_task(_report(settings, stats, evaluator, stop))
-                tasks.create_task(evaluator.follow(stop, time.monotonic()))
+    stream = bus.consumer([topic_name(settings.run, "trajectories")], from_beginning=False,
+                          group_id=f"miles.{settings.run}.fanout-evaluator.trajectories")
+    async with stream, evaluator:
+        async with asyncio.TaskGroup() as tasks:
+            tasks.create_task(_read_stream(stream, stats, stop))
+            tasks.create_task(_report(settings, stats, evaluator, stop))
+            tasks.create_task(evaluator.follow(stop, time.monotonic()))
     return {"measurements": len(evaluator.curve.points), "invalid": stats.invalid}
 
 

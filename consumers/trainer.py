@@ -19,6 +19,7 @@ from miles.config import log_config, parse_config_args
 from miles.engines.base import LoraSettings
 from miles.rl.algorithm import preset_layers
 from miles.service import configure_logging, run_service
+from miles.trackers import TrackerSettings
 from miles.trainer.learner import LearnerConfig
 from miles.trainer.loop import LoopConfig
 
@@ -36,6 +37,7 @@ class TrainerSettings:
     torch_threads: int = 0  # 0 leaves torch's default
     learner: LearnerConfig = field(default_factory=LearnerConfig)
     loop: LoopConfig = field(default_factory=LoopConfig)
+    trackers: TrackerSettings = field(default_factory=TrackerSettings)  # TensorBoard, W&B, MLflow
 
 
 def parse_args(argv=None) -> TrainerSettings:
@@ -65,11 +67,14 @@ def build_runner(settings: TrainerSettings):
 
 async def run_trainer(settings: TrainerSettings, runner, stop) -> dict:
     from miles.bus import open_bus
+    from miles.trackers import open_trackers
     from miles.trainer.loop import TrainerLoop
 
-    async with open_bus(settings.bus, settings.kafka) as bus:
-        loop = TrainerLoop(bus, runner)
-        return await loop.run(stop)
+    with open_trackers(settings.trackers, role="trainer", run=settings.loop.run,
+                       default_dir=settings.loop.out_dir / "trackers", config=settings) as trackers:
+        async with open_bus(settings.bus, settings.kafka) as bus:
+            loop = TrainerLoop(bus, runner, trackers)
+            return await loop.run(stop)
 
 
 def main(argv=None) -> int:

@@ -3,6 +3,10 @@ learns for real on CPUs: two minutes of RL from the built-in warm start, in a fr
 (runs/demo), evaluated every 10 s, no checkpoint until the end (the run machinery, the report
 and the buses: `miles.run`).
 
+With `trackers.report_to` (docs/trackers.md) the trainer, the producers and the evaluator each
+log to their own tracker run, `demo-trainer`, `demo-producer-0`, `demo-evaluator` (on Kafka,
+the daemons through their settings), under out_dir/trackers unless `trackers.dir` is set.
+
 Multi-turn (`env`, `miles demo --env multiplication`): the producer plays episodes through the
 environment (both buses; the daemons' settings carry `env` and `episodes`), the warm start is
 the task's format pairs (`miles.run.WARM_STARTS`), and held-out success is one greedy episode

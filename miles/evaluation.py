@@ -10,7 +10,9 @@ limits and per-turn budget: it counts as solved when the episode did not fail an
 counts by the reward it got, a failed one as unsolved.
 The `Evaluator` is one more consumer of the run's topics, in its own consumer groups: it follows
 the control topic, loads each newer version (sha256-verified) at most every `every_s` seconds,
-measures it, and keeps the curve; from the status topic it keeps the producers' generation time.
+measures it, and keeps the curve (each point also goes to the experiment trackers as
+`held_out/accuracy` at x = its policy version, `miles.trackers`); from the status topic it
+keeps the producers' generation time.
 "Newer" is the producers' rule (`miles.weights.following`): the newest trainer generation's
 versions, going forward within it, so a trainer resumed from an older checkpoint is followed
 and a fenced one ignored; an announced version counts only once it loads (its file inside the
@@ -42,6 +44,7 @@ from miles.rl.sampling import SamplingParams
 from miles.service import wait_or_stop
 from miles.tasks.arithmetic import Problem
 from miles.tasks.rewards import Scorer, exact_match
+from miles.trackers import Trackers
 from miles.weights.following import Announcements, FollowConfig, lineage, may_load_later
 from miles.weights.signing import Verifier
 from miles.weights.store import fetch_version
@@ -125,7 +128,7 @@ class Evaluator:
     def __init__(self, bus: Bus, run: str, model_dir: Path, lora: LoraSettings | None,
                  problems: list[Problem], *, every_s: float, scorer: Scorer | None = None,
                  group: str = "evaluator", weights: FollowConfig | None = None,
-                 episodes: EpisodeEval | None = None):
+                 episodes: EpisodeEval | None = None, trackers: Trackers | None = None):
         from miles.engines.hf import HFEngine
 
         self.bus, self.run, self.problems, self.every_s = bus, run, problems, every_s
@@ -138,6 +141,7 @@ class Evaluator:
         if episodes is not None:
             check_stop_strings(self.engine, episodes.factory)
         self.curve = Curve()
+        self.trackers = trackers or Trackers()  # each point, by version (opened by the caller)
         self.announced = -1  # policy version of the newest announcement taken as a candidate
         self.producer_generate_s: dict[str, float] = {}
         self.producer_extra: dict[str, dict] = {}  # each producer's newest heartbeat counters
@@ -241,9 +245,11 @@ class Evaluator:
                 began = time.perf_counter()
                 accuracy = await self.measure()
                 self.curve.eval_seconds += time.perf_counter() - began
-                self.curve.points.append({"seconds": round(time.monotonic() - started, 2),
-                                          "policy_version": self.engine.policy_version,
-                                          "accuracy": accuracy})
+                point = {"seconds": round(time.monotonic() - started, 2),
+                         "policy_version": self.engine.policy_version, "accuracy": accuracy}
+                self.curve.points.append(point)
+                self.trackers.log({"held_out/accuracy": accuracy,
+                                   "held_out/seconds": point["seconds"]}, point["policy_version"])
 
     async def load_final(self, settle_s: float = 2.0) -> None:
         """After training: read the topics until quiet, then load the last version."""

@@ -27,7 +27,9 @@ Three loops share one engine:
   `weights.public_key`; a version that fails changes nothing); obey pause/resume/drain/stop
   `Command`s (signed, when versions are).
 - status: read trainer heartbeats (its policy version and how many trajectory records it has
-  consumed; a fenced generation's are ignored) and publish this producer's heartbeat.
+  consumed; a fenced generation's are ignored) and publish this producer's heartbeat; its
+  counters (`producer/*`, with the heartbeat's number as x) also go to the experiment trackers
+  (`miles.trackers`).
 
 Admission control (`miles.admission`): the worker only takes a batch when it would still be
 within `max_staleness` when trained; otherwise it waits for the trainer or for a newer version,
@@ -63,6 +65,7 @@ from miles.rollout_groups import EPISODE_COUNTERS, EpisodeGroups, SingleTurnGrou
 from miles.rollout_stream import (ENGINE_RETRY_S, WEIGHT_UPDATES, AsyncRequestStream,
                                   GroupStream, RequestStream)
 from miles.tasks.rewards import Scorer
+from miles.trackers import Trackers
 from miles.weights.follower import WeightFollower
 from miles.weights.following import FollowConfig
 
@@ -128,8 +131,10 @@ def timed(fn, *args) -> float:
 class RolloutWorker:
     def __init__(self, bus: Bus, engine: RolloutEngine, scorer: Scorer, config: RolloutConfig, *,
                  env: EnvironmentFactory | None = None,
-                 episodes: EpisodeSettings | None = None):
+                 episodes: EpisodeSettings | None = None, trackers: Trackers | None = None):
         self.bus = bus
+        self.trackers = trackers or Trackers()  # opened and closed by the caller
+        self._beats = 0  # heartbeats sent: the trackers' x axis
         self.engine = engine
         self.scorer = scorer
         self.config = config
@@ -523,6 +528,11 @@ class RolloutWorker:
                          extra=extra, created_at=time.time())
         await self.bus.publish(self._topic("status"), encode(beat),
                                key=self.config.producer_id.encode())
+        self._beats += 1
+        self.trackers.log({**self.counts, "producer/tokens_per_s": beat.tokens_per_s,
+                           "producer/policy_version": beat.policy_version,
+                           "producer/in_flight": beat.in_flight,
+                           "producer/commit_failures": self.commits.failures}, self._beats)
 
 
 def episode_extras(counts: dict[str, float]) -> dict[str, int | float]:

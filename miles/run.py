@@ -59,6 +59,7 @@ from miles.tasks.datasets import BUILT_IN, DatasetFormat, load_problems
 from miles.tasks.multiplication import warm_start_problems
 from miles.tasks.rewards import Scorer, resolve_reward
 from miles.tasks.tiny_model import build_tiny_model
+from miles.trackers import TrackerSettings, Trackers, open_trackers
 from miles.trainer.learner import Learner, LearnerConfig
 from miles.trainer.loop import LoopConfig, TrainerLoop
 from miles.trainer.runner import StepRunner
@@ -120,6 +121,7 @@ class RunConfig:
     checkpoint_every: int = 10  # steps between checkpoints (0: only at the end)
     seed: int = 0  # the prompts' shuffle
     export_policy: bool = True  # write the final policy to out_dir/policy (merged LoRA)
+    trackers: TrackerSettings = field(default_factory=TrackerSettings)  # TensorBoard, W&B, MLflow
 
     def __post_init__(self) -> None:
         for name in ("max_steps", "prompts_per_batch", "checkpoint_every"):
@@ -156,6 +158,10 @@ class RunConfig:
         return FollowConfig(store=self.out_dir / "weights",
                             public_key=self.out_dir / "keys" / PUBLIC_KEY_FILE)
 
+    def tracker_settings(self) -> TrackerSettings:
+        """The daemons' trackers, writing under out_dir/trackers unless `trackers.dir`."""
+        return replace(self.trackers, dir=self.trackers.dir or self.out_dir / "trackers")
+
     def loop(self) -> LoopConfig:
         return LoopConfig(run=self.run, out_dir=self.out_dir, groups_per_step=self.groups_per_step,
                           max_staleness=self.max_staleness, max_steps=self.max_steps,
@@ -164,6 +170,12 @@ class RunConfig:
     def problems(self, split: str) -> list[Problem]:
         source = self.prompts if split == "train" else (self.eval_prompts or self.prompts)
         return load_problems(source, split, fmt=self.dataset)
+
+
+def run_trackers(config: RunConfig, role: str) -> Trackers:
+    """The tracker run of one of this process's parts (`role`); the caller closes it."""
+    return open_trackers(config.trackers, role=role, run=config.run,
+                         default_dir=config.out_dir / "trackers", config=config)
 
 
 def warm_start(config: RunConfig, should_stop: Callable[[], bool] = lambda: False) -> Path:
@@ -263,12 +275,15 @@ async def run_embedded(config: RunConfig, model_dir: Path, evaluator: Evaluator,
     began = time.monotonic()
     engines = [embedded_engine(config, model_dir) for _ in range(config.producers)]
     engine_start_s = time.monotonic() - began
+    trackers = [run_trackers(config, f"producer-{i}") for i in range(config.producers)]
+    trackers.append(run_trackers(config, "trainer"))
     workers = [RolloutWorker(bus, engine, evaluator.scorer, config.rollout(i),
-                             env=environment(config, evaluator.scorer), episodes=config.episodes)
+                             env=environment(config, evaluator.scorer), episodes=config.episodes,
+                             trackers=trackers[i])
                for i, engine in enumerate(engines)]
     learner = Learner(model_dir, config.learner, lora=config.lora)
     trainer = TrainerLoop(bus, StepRunner(learner, config.loop(),
-                                          base_model=base_model_id(model_dir)))
+                                          base_model=base_model_id(model_dir)), trackers[-1])
     started = time.monotonic()
     try:
         async with RunWatch(bus, config.run, config.weights().public_key, on_beat) as watch, \
@@ -282,6 +297,8 @@ async def run_embedded(config: RunConfig, model_dir: Path, evaluator: Evaluator,
     finally:
         for engine in engines:
             engine.close()
+        for tracker in trackers:
+            tracker.close()
     counts: Counter = Counter()
     for worker in workers:
         counts.update(worker.counts)
@@ -322,7 +339,7 @@ def fresh_out_dir(out_dir: Path) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     for name in ("checkpoints", "weights", "bus", "policy"):
         shutil.rmtree(out_dir / name, ignore_errors=True)
-    for name in ("metrics.jsonl", "ledger.jsonl", "report.json", "curves.png",
+    for name in ("metrics.jsonl", "ledger.jsonl", "samples.jsonl", "report.json", "curves.png",
                  "evaluation.jsonl", RUN_FILE):
         (out_dir / name).unlink(missing_ok=True)
 
@@ -363,21 +380,31 @@ async def train_run(config: RunConfig, stop: asyncio.Event, *, resume: bool = Fa
                                            trajectory_partitions=1))
         await feed_once(bus, config, record)
         scorer = resolve_reward(config.reward, timeout_s=config.reward_timeout_s)
-        evaluator = Evaluator(bus, config.run, model_dir, config.lora,
-                              held_out[:config.eval_problems], every_s=config.eval_every_s,
-                              scorer=scorer, weights=config.weights(),
-                              episodes=episode_eval(config, scorer))
-        async with evaluator:
-            if record["initial_accuracy"] is None:
-                record["initial_accuracy"] = await evaluator.measure(held_out)
-                save_record(config, record)
-            run = run_embedded if config.embedded else run_processes
-            result = await run(config, model_dir, evaluator, stop, on_beat)
-            await evaluator.load_final()
-            final = await evaluator.measure(held_out)
-    return build_report(config, result, evaluator.curve, initial=record["initial_accuracy"],
-                        final=final, held_out=len(held_out), warm_s=warm_s,
+        with run_trackers(config, "evaluator") as evaluated:
+            evaluator = Evaluator(bus, config.run, model_dir, config.lora,
+                                  held_out[:config.eval_problems], every_s=config.eval_every_s,
+                                  scorer=scorer, weights=config.weights(),
+                                  episodes=episode_eval(config, scorer), trackers=evaluated)
+            final = await evaluate_and_train(config, model_dir, evaluator, record, stop, on_beat)
+    return build_report(config, final["result"], evaluator.curve,
+                        initial=record["initial_accuracy"], final=final["accuracy"],
+                        held_out=len(held_out), warm_s=warm_s,
                         wall_s=time.monotonic() - began, model_dir=model_dir)
+
+
+async def evaluate_and_train(config: RunConfig, model_dir: Path, evaluator: Evaluator,
+                             record: dict, stop: asyncio.Event,
+                             on_beat: Callable[[dict], None] | None) -> dict:
+    """Held-out accuracy before (once per run), the training, held-out accuracy after."""
+    held_out = config.problems("test")
+    async with evaluator:
+        if record["initial_accuracy"] is None:
+            record["initial_accuracy"] = await evaluator.measure(held_out)
+            save_record(config, record)
+        run = run_embedded if config.embedded else run_processes
+        result = await run(config, model_dir, evaluator, stop, on_beat)
+        await evaluator.load_final()
+        return {"result": result, "accuracy": await evaluator.measure(held_out)}
 
 
 class StepBar:

@@ -43,7 +43,8 @@ def producer_settings(config: RunConfig, model_dir: Path, index: int = 0) -> Pro
                             reward_timeout_s=config.reward_timeout_s, engine=config.engine,
                             vllm=config.vllm, vllm_server=config.vllm_server,
                             rollout=config.rollout(index), env=config.env,
-                            episodes=config.episodes, tools=config.tools, sandbox=config.sandbox)
+                            episodes=config.episodes, tools=config.tools, sandbox=config.sandbox,
+                            trackers=config.tracker_settings())
 
 
 def daemon_settings(config: RunConfig, model_dir: Path) -> dict:
@@ -59,13 +60,14 @@ def daemon_settings(config: RunConfig, model_dir: Path) -> dict:
     return {
         **producers,
         "trainer": TrainerSettings(**common, torch_threads=1, learner=config.learner,
-                                   loop=config.loop()),
+                                   loop=config.loop(), trackers=config.tracker_settings()),
         "evaluator": EvaluatorSettings(**common, run=config.run, prompts=config.prompts,
                                        reward=config.reward, every_s=config.eval_every_s,
                                        out=config.out_dir / "evaluation.jsonl",
                                        weights=config.weights(), env=config.env,
                                        episodes=config.episodes,
-                                       turn_tokens=config.sampling.max_new_tokens),
+                                       turn_tokens=config.sampling.max_new_tokens,
+                                       trackers=config.tracker_settings()),
         "recorder": RecorderSettings(bus=config.bus, kafka=config.kafka, run=config.run,
                                      out_dir=config.out_dir / "archive", file_seconds=30.0),
     }

@@ -20,6 +20,7 @@ from miles.episodes import EpisodeSettings
 from miles.errors import ConfigError
 from miles.rollout import RolloutConfig, RolloutWorker
 from miles.service import daemon_main
+from miles.trackers import TrackerSettings
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -40,6 +41,7 @@ class ProducerSettings:
     episodes: EpisodeSettings = field(default_factory=EpisodeSettings)  # limits when env is set
     tools: ToolSettings = field(default_factory=ToolSettings)  # a tool environment's limits
     sandbox: SandboxLimits = field(default_factory=SandboxLimits)  # the python env's sandbox
+    trackers: TrackerSettings = field(default_factory=TrackerSettings)  # TensorBoard, W&B, MLflow
 
     def __post_init__(self) -> None:
         if self.engine not in ENGINES:
@@ -88,6 +90,7 @@ async def run_producer(settings: ProducerSettings, stop) -> dict:
     from miles.bus import open_bus
     from miles.envs import load_environment
     from miles.tasks.rewards import resolve_reward
+    from miles.trackers import open_trackers
     from miles.weights.store import base_model_id
 
     scorer = resolve_reward(settings.reward, timeout_s=settings.reward_timeout_s)
@@ -98,10 +101,13 @@ async def run_producer(settings: ProducerSettings, stop) -> dict:
     if not rollout.base_model:  # reject versions trained on another base
         rollout = replace(rollout, base_model=base_model_id(settings.model_dir))
     try:
-        async with open_bus(settings.bus, settings.kafka) as bus:
-            worker = RolloutWorker(bus, engine, scorer, rollout, env=env,
-                                   episodes=settings.episodes)
-            await worker.run(stop)
+        with open_trackers(settings.trackers, role=rollout.producer_id, run=rollout.run,
+                           default_dir=Path("runs") / rollout.run / "trackers",
+                           config=settings) as trackers:
+            async with open_bus(settings.bus, settings.kafka) as bus:
+                worker = RolloutWorker(bus, engine, scorer, rollout, env=env,
+                                       episodes=settings.episodes, trackers=trackers)
+                await worker.run(stop)
     finally:
         engine.close()
     return {**worker.counts, "load_latency_p50_s": worker.follower.load_latency_p50()}

@@ -12,8 +12,10 @@ its update is done, listing only the groups in it), announces the new adapter it
 weight store on the control topic (each announcement and heartbeat signed with the run's
 Ed25519 key, `miles.weights.signing`), every `checkpoint_every` steps has all ranks write a
 checkpoint (a second step message, after the accounting it records), appends to
-`metrics.jsonl` and reports progress on the status topic. What every rank runs (resume, step,
-export, checkpoint) is `miles.trainer.runner.StepRunner`.
+`metrics.jsonl` (and to the experiment trackers, `miles.trackers`; every `samples_every` steps
+a table of trained samples to `samples.jsonl` and the trackers, `miles.trainer.sample_table`)
+and reports progress on the status topic. What every rank runs (resume, step, export,
+checkpoint) is `miles.trainer.runner.StepRunner`.
 
 Failing steps: a step that is not finite or raises on its data changes nothing; every rank
 bisects the batch the same way (`miles.trainer.isolation`) and trains the rest in one update;
@@ -31,8 +33,8 @@ trainer keeps these positions itself and seeks every partition the group assigns
 (rebalance callbacks), so pauses past the session timeout and members joining or leaving never
 move it back to the group's committed offset. A restarted trainer takes the next generation
 (`fence`: an older trainer still running stops at its next side effect), loads the newest
-checkpoint that verifies, cuts the ledger and metrics back to it (to nothing without one),
-restores its counters and seeks there. The same offsets are committed to the trainer's consumer
+checkpoint that verifies, cuts the ledger, metrics and samples back to it (to nothing without
+one), restores its counters and seeks there. The same offsets are committed to the trainer's consumer
 group after every checkpoint and at shutdown, so its lag (`miles status`) follows the run; the
 checkpoint, not the commit, is what a restart resumes from (`docs/delivery.md`).
 """
@@ -53,9 +55,11 @@ from miles.bus.decoding import Decoded, DecodingConsumer
 from miles.errors import BusError, ConfigError
 from miles.protocol import Heartbeat, TrajectoryGroup, WeightVersion, encode
 from miles.protocol.topics import topic_name
+from miles.trackers import Trackers
 from miles.trainer.intake import IntakeConfig, TrainerLimits, check_group
 from miles.trainer.progress import Progress
 from miles.trainer.runner import StepRunner, pack_step
+from miles.trainer.sample_table import sample_rows
 from miles.weights.signing import Signer, trainer_signer
 
 log = logging.getLogger(__name__)
@@ -113,8 +117,9 @@ class TrainerLoop:
     offset; records of revoked partitions that were read but not yet trained are discarded
     (they are read again from the position, by this trainer or the next owner)."""
 
-    def __init__(self, bus: Bus, runner: StepRunner):
+    def __init__(self, bus: Bus, runner: StepRunner, trackers: Trackers | None = None):
         self.bus = bus
+        self.trackers = trackers or Trackers()  # opened and closed by the caller
         self.runner = runner
         self.learner = runner.learner
         self.config = runner.config
@@ -183,7 +188,7 @@ class TrainerLoop:
         self.counts.update(meta.get("counts", {}))
         self.lags.update({int(k): v for k, v in meta.get("lags", {}).items()})
         self._dead_lettered_before = self.counts["trainer/dead_lettered"]
-        for name in ("ledger.jsonl", "metrics.jsonl"):
+        for name in ("ledger.jsonl", "metrics.jsonl", "samples.jsonl"):
             truncate_steps(self.out_dir / name, self.step)
         await self._announce(record)
         log.info("trainer generation %d %s at step %d, policy version %d",
@@ -331,6 +336,7 @@ class TrainerLoop:
             await self._checkpoint()
             await self._commit()
         self._write_metrics(result.metrics, batch["trained"], time.perf_counter() - began)
+        self._write_samples(batch["trained"], version)
         await self._heartbeat()
 
     async def _dead_letter_failed(self, batch: dict[str, list[Decoded]],
@@ -424,7 +430,21 @@ class TrainerLoop:
                 **{k: v for k, v in self.counts.items()}}
         with open(self.out_dir / "metrics.jsonl", "a") as f:
             f.write(json.dumps(line) + "\n")
+        self.trackers.log({k: v for k, v in line.items() if k not in ("step", "time")}, self.step)
         self.progress.update(line)
+
+    def _write_samples(self, groups: list[Decoded], version: int) -> None:
+        """Every `samples_every` steps: a table of the step's trained samples (lags judged
+        against `version`) appended to samples.jsonl, with or without trackers, and sent to
+        each tracker."""
+        if not groups or not self.trackers.samples_due(self.step):
+            return
+        rows = sample_rows([g.value for g in groups], self.learner.tokenizer,
+                           self.learner.algorithm, step=self.step, policy_version=version,
+                           limit=self.trackers.settings.samples_rows)
+        with open(self.out_dir / "samples.jsonl", "a") as f:
+            f.write("".join(json.dumps(row) + "\n" for row in rows))
+        self.trackers.log_samples(rows, self.step)
 
     async def _heartbeat(self) -> None:
         tps = set(self.positions) | self.consumer.assignment()

@@ -19,7 +19,8 @@ from miles.demo import DemoConfig, main_demo
 def test_a_short_embedded_demo_writes_its_report_and_curves(model_dir, tmp_path):
     config = load_config(DemoConfig, env={}, overrides=[
         f"model_dir={model_dir}", f"out_dir={tmp_path}", "max_seconds=6", "eval_every_s=1",
-        "eval_problems=16", "groups_per_step=4", "lora.r=4", "lora.alpha=8"])
+        "eval_problems=16", "groups_per_step=4", "lora.r=4", "lora.alpha=8",
+        "trackers.report_to=tensorboard", "trackers.samples_every=1", "trackers.samples_rows=2"])
     assert main_demo(config) == 0
     report = json.loads((tmp_path / "report.json").read_text())
     assert report["run"] == tmp_path.name and report["model_dir"] == str(model_dir)
@@ -30,6 +31,26 @@ def test_a_short_embedded_demo_writes_its_report_and_curves(model_dir, tmp_path)
     assert report["curve"] and all(p["policy_version"] >= 1 for p in report["curve"])
     assert (tmp_path / "curves.png").stat().st_size > 0
     assert len(list((tmp_path / "weights").iterdir())) <= 16  # the store is pruned
+    assert_tracked(tmp_path, steps=report["steps"], measured=len(report["curve"]))
+
+
+def assert_tracked(out_dir, *, steps: int, measured: int) -> None:
+    """The embedded trainer, producer and evaluator each logged to their TensorBoard run, and
+    the trainer wrote a sample table every step."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    runs = out_dir / "trackers" / "tensorboard" / "demo"
+    assert sorted(p.name for p in runs.iterdir()) == ["evaluator", "producer-0", "trainer"]
+    series = {}
+    for role, key in [("trainer", "trainer/loss"), ("producer-0", "producer/groups"),
+                      ("evaluator", "held_out/accuracy")]:
+        events = EventAccumulator(str(runs / role), size_guidance={"scalars": 0})
+        events.Reload()
+        series[role] = events.Scalars(key)
+    assert len(series["trainer"]) == steps and len(series["evaluator"]) == measured
+    assert series["producer-0"][-1].value > 0
+    rows = [json.loads(line) for line in (out_dir / "samples.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [s for s in range(1, steps + 1) for _ in range(2)]
 
 
 @pytest.mark.parametrize("bus", ["embedded", pytest.param("kafka", marks=pytest.mark.kafka)])
