@@ -39,7 +39,7 @@ def assert_tracked(out_dir, *, steps: int, measured: int) -> None:
     the trainer wrote a sample table every step."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    runs = out_dir / "trackers" / "tensorboard" / "demo"
+    runs = out_dir / "trackers" / "tensorboard" / out_dir.name  # the run is named after out_dir
     assert sorted(p.name for p in runs.iterdir()) == ["evaluator", "producer-0", "trainer"]
     series = {}
     for role, key in [("trainer", "trainer/loss"), ("producer-0", "producer/groups"),

@@ -271,12 +271,13 @@ def test_a_tracker_whose_library_is_missing_names_the_extra(monkeypatch, name):
 
 
 def test_the_demo_hands_its_trackers_to_every_daemon(tmp_path):
-    from miles.demo import DemoConfig, daemon_settings
+    from miles.demo import DemoConfig
+    from miles.run_daemons import daemon_settings
 
     config = load_config(DemoConfig, overrides=[f"out_dir={tmp_path}",
                                                 "trackers.report_to=tensorboard",
                                                 "trackers.samples_every=5"], env={})
-    for name in ("producer", "trainer", "evaluator"):
+    for name in ("producer-0", "trainer", "evaluator"):
         trackers = daemon_settings(config, tmp_path / "model")[name].trackers
         assert trackers.report_to == ("tensorboard",) and trackers.samples_every == 5
         assert trackers.dir == tmp_path / "trackers"
