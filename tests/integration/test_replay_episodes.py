@@ -1,4 +1,5 @@
-"""`miles replay` of recorded multi-turn episodes (wire 1.4) under GRPO and PPO.
+"""`miles replay` of recorded multi-turn episodes (wire 1.4) under GRPO and PPO (and, once
+each, under every other preset).
 
 The recorded topic holds groups of three episodes each (policy tokens, then observation tokens
 with version -1 and mask 0, step rewards on each turn's last policy token), written by the
@@ -22,8 +23,9 @@ from miles.engines.base import Completion
 from miles.episodes.samples import EpisodeRecord, Turn
 from miles.config import load_config
 from miles.protocol import encode
-from miles.protocol.topics import topic_name
-from miles.rl.algorithm import AlgorithmConfig, preset
+from miles.protocol.topics import run_topics, topic_name
+from miles.bus import open_bus
+from miles.rl.algorithm import PRESETS, AlgorithmConfig, preset
 from miles.trainer import distributed
 from miles.trainer.learner import Learner, LearnerConfig
 from miles.trainer.replay import Replay, ReplayConfig
@@ -121,3 +123,20 @@ async def test_replayed_episodes_train_every_fresh_group_deterministically(
     assert a.keys() == b.keys() and a
     for name in a:
         assert torch.equal(a[name], b[name]), name
+
+
+@pytest.mark.parametrize("algo", [name for name in PRESETS if name not in ("grpo", "ppo")])
+async def test_replayed_episodes_train_under_every_other_preset(model_dir, tmp_path, algo):
+    """The same recorded episodes under each remaining preset (embedded bus): every fresh group
+    trained in two steps, the stale one dropped, the weights moved."""
+    async with open_bus("embedded://") as bus:
+        run = "replay-presets"
+        await bus.create_topics(run_topics(run, prompt_partitions=1, trajectory_partitions=2))
+        recorded = await record_episodes(bus, run)
+        summary, ledger, before, after = await replay_episodes(bus, run, model_dir,
+                                                               tmp_path, algo)
+    assert [g for step in ledger for g in step] == [g for i, g in enumerate(recorded)
+                                                    if i != STALE]
+    assert summary["steps"] == 2 and summary["replay/dropped_stale"] == 1
+    assert any(not torch.equal(before[name], after[name]) for name in after)
+    distributed.destroy()
