@@ -8,7 +8,7 @@ records from the trainer and the trainer never waits for it:
   loaded (from `weights.store`, sha256-verified) and its greedy accuracy measured on
   `eval_problems` problems of the held-out split (`miles.evaluation.Evaluator`); with `env`,
   each problem is a greedy episode through that environment, solved when its return is
-  positive.
+  positive, in the run's environment with its `tools` and `sandbox` limits.
 Every `every_s` seconds it appends a `{"kind": "stream", ...}` line with the stream's numbers to
 `out`, and a `{"kind": "held_out", ...}` line per measurement. Invalid trajectory records
 (tombstones included) are counted, not dead-lettered (the trainer does that); invalid control and
@@ -24,14 +24,19 @@ import time
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from miles.bus.security import KafkaSecurity
 from miles.engines.base import LoraSettings
+from miles.envs import SandboxLimits, ToolSettings, load_environment
 from miles.episodes import EpisodeSettings
 from miles.errors import MilesError
 from miles.protocol import TrajectoryGroup, decode
 from miles.service import daemon_main, wait_or_stop
 from miles.weights.following import FollowConfig
+
+if TYPE_CHECKING:
+    from miles.evaluation import EpisodeEval
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -52,6 +57,8 @@ class EvaluatorSettings:
     env: str = ""  # the run's environment: held-out problems as greedy episodes ("": one answer)
     episodes: EpisodeSettings = field(default_factory=EpisodeSettings)  # the run's limits
     turn_tokens: int = 8  # tokens per model turn with env (the producer's sampling.max_new_tokens)
+    tools: ToolSettings = field(default_factory=ToolSettings)  # a tool environment's limits
+    sandbox: SandboxLimits = field(default_factory=SandboxLimits)  # the python env's sandbox
 
 
 class StreamStats:
@@ -88,8 +95,7 @@ async def run_evaluator(settings: EvaluatorSettings, stop: asyncio.Event) -> dic
     import torch
 
     from miles.bus import open_bus
-    from miles.envs import load_environment
-    from miles.evaluation import EpisodeEval, Evaluator
+    from miles.evaluation import Evaluator
     from miles.protocol.topics import topic_name
     from miles.tasks.datasets import load_problems
     from miles.tasks.rewards import resolve_reward
@@ -97,9 +103,7 @@ async def run_evaluator(settings: EvaluatorSettings, stop: asyncio.Event) -> dic
     torch.set_num_threads(settings.torch_threads)
     scorer = resolve_reward(settings.reward, timeout_s=settings.reward_timeout_s)
     problems = load_problems(settings.prompts, "test")[:settings.eval_problems]
-    episodes = None if not settings.env else EpisodeEval(
-        factory=load_environment(settings.env, reward=scorer), settings=settings.episodes,
-        turn_tokens=settings.turn_tokens)
+    episodes = episode_eval(settings, scorer)
     settings.out.parent.mkdir(parents=True, exist_ok=True)
     stats = StreamStats()
     async with open_bus(settings.bus, settings.kafka) as bus:
@@ -114,6 +118,20 @@ async def run_evaluator(settings: EvaluatorSettings, stop: asyncio.Event) -> dic
                 tasks.create_task(_report(settings, stats, evaluator, stop))
                 tasks.create_task(evaluator.follow(stop, time.monotonic()))
     return {"measurements": len(evaluator.curve.points), "invalid": stats.invalid}
+
+
+def episode_eval(settings: EvaluatorSettings, scorer) -> EpisodeEval | None:
+    """The held-out episodes in the run's environment, built as the producers build it (its
+    tool and sandbox limits too, so a problem is solved under the same limits as in training);
+    None without `env`."""
+    from miles.evaluation import EpisodeEval
+
+    if not settings.env:
+        return None
+    factory = load_environment(settings.env, reward=scorer, tools=settings.tools,
+                               sandbox=settings.sandbox)
+    return EpisodeEval(factory=factory, settings=settings.episodes,
+                       turn_tokens=settings.turn_tokens)
 
 
 async def _read_stream(stream, stats: StreamStats, stop: asyncio.Event) -> None:

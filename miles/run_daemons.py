@@ -65,7 +65,8 @@ def daemon_settings(config: RunConfig, model_dir: Path) -> dict:
                                        out=config.out_dir / "evaluation.jsonl",
                                        weights=config.weights(), env=config.env,
                                        episodes=config.episodes,
-                                       turn_tokens=config.sampling.max_new_tokens),
+                                       turn_tokens=config.sampling.max_new_tokens,
+                                       tools=config.tools, sandbox=config.sandbox),
         "recorder": RecorderSettings(bus=config.bus, kafka=config.kafka, run=config.run,
                                      out_dir=config.out_dir / "archive", file_seconds=30.0),
     }
