@@ -37,7 +37,10 @@ Simplifications, chosen on purpose:
   (`episodes.stream_turns`).
 - A decoding step that raises `EngineError` is retried after `ENGINE_RETRY_S` with the rows
   still in flight (the batcher rebuilds their cache), counted in `producer/engine_errors`; a
-  request or call that fails is submitted again after the same pause.
+  request or call that fails is submitted again after the same pause, unless the engine refused
+  it (`EngineRejectedError`, or a prompt that fills the context, checked before submitting:
+  `SingleTurnGroups.params_for`, which also cuts `max_new_tokens` to the room left): then
+  `group` raises it and the producer dead-letters the prompt.
 """
 
 from __future__ import annotations
@@ -52,8 +55,9 @@ from collections.abc import Awaitable, Callable
 
 import numpy as np
 
-from miles.errors import EngineError
+from miles.errors import EngineError, EngineRejectedError
 from miles.protocol import PromptTask, TrajectoryGroup
+from miles.rl.sampling import SamplingParams
 from miles.rollout_groups import SingleTurnGroups
 from miles.service import wait_or_stop
 
@@ -147,11 +151,11 @@ class GroupStream(Stream):
     async def group(self, task: PromptTask, prompt: list[int], sequence: int) -> TrajectoryGroup:
         """Generate `task`'s group in the running batch and score it."""
         began = time.perf_counter()
-        seed = self._seed(sequence)
+        seed, params = self._seed(sequence), self.builder.params_for(prompt)
         while True:
             while self.holding:  # a load is on its way: start under the new weights
                 await asyncio.sleep(0.01)
-            request = self.sampler.submit(list(prompt), self.builder.sampling, seed=seed)
+            request = self.sampler.submit(list(prompt), params, seed=seed)
             future = asyncio.get_running_loop().create_future()
             self._futures[request] = future
             self._wake.set()
@@ -262,11 +266,14 @@ class RequestStream(Stream):
 
     async def _generate(self, prompt: list[int], seed: int) -> list:
         engine, loop = self.builder.engine, asyncio.get_running_loop()
+        params = self.builder.params_for(prompt)
         while True:
             loads, began = self._loads, time.perf_counter()
             try:
                 completions = (await loop.run_in_executor(self._pool, functools.partial(
-                    engine.generate, [list(prompt)], self.builder.sampling, seed=seed)))[0]
+                    engine.generate, [list(prompt)], params, seed=seed)))[0]
+            except EngineRejectedError:
+                raise  # the same request fails again: the producer dead-letters the prompt
             except EngineError as err:
                 log.error("a group's generation failed, retrying in %g s: %s", ENGINE_RETRY_S,
                           err)
@@ -330,26 +337,30 @@ class AsyncRequestStream(Stream):
         """Generate `task`'s group as one request (again after a `restart` or a failure) and
         score it."""
         began = time.perf_counter()
-        seed = self._seed(sequence)
+        seed, params = self._seed(sequence), self.builder.params_for(prompt)
         completions = None
         while completions is None:
             while self.holding:  # a load is on its way: start under the new weights
                 await asyncio.sleep(0.01)
-            completions = await self._generate(prompt, seed)
+            completions = await self._generate(prompt, params, seed)
         group = await self.builder.scored_group(task, prompt, completions, sequence,
                                                 generate_s=time.perf_counter() - began)
         self._count(group)
         return group
 
-    async def _generate(self, prompt: list[int], seed: int) -> list | None:
-        """One request's Completions; None if a `restart` aborted it or it failed."""
+    async def _generate(self, prompt: list[int], params: SamplingParams,
+                        seed: int) -> list | None:
+        """One request's Completions; None if a `restart` aborted it or it failed (raised if
+        the engine refused it)."""
         try:
-            request = self.requests.submit(list(prompt), self.builder.sampling, seed=seed)
+            request = self.requests.submit(list(prompt), params, seed=seed)
             self._running.add(request)
             try:
                 completions = await asyncio.wrap_future(request.future)
             finally:
                 self._running.discard(request)
+        except EngineRejectedError:
+            raise  # the same request fails again: the producer dead-letters the prompt
         except EngineError as err:
             log.error("a group's request failed, retrying in %g s: %s", ENGINE_RETRY_S, err)
             await self.on_error(f"generation failed: {err}")
