@@ -294,11 +294,15 @@ class RolloutWorker:
             await self._reject_prompt(prompts, item, str(err))
             self.commits.finish(ticket)
             return
+        began = time.perf_counter()
         await (await self.bus.send(self._topic("trajectories"), encode(group),
                                    key=group.task_id.encode()))
         self.counts["producer/groups"] += 1
         self.counts["producer/tokens"] += sum(s.policy_tokens for s in group.samples)
         self.counts["producer/generate_s"] = self.stream.busy_s
+        # its scoring (`reward_s`), encoding and publishing: overlaps other groups' generation
+        self.counts["producer/other_s"] += group.timings["reward_s"] + (time.perf_counter()
+                                                                        - began)
         self.commits.finish(ticket)
 
     async def _batch(self, consumer, prompts: DecodingConsumer, batch, stop: asyncio.Event) -> None:

@@ -27,10 +27,13 @@ refuse `continue`, and their `finish` needs no wait where adapters load beside r
   samples. One version per sample with no wait; fits short samples and frequent updates.
 
 Metrics (`extras()`, in the producer heartbeat and so in `miles status`): the engine's busy
-fraction (seconds inside decoding steps / seconds since streaming began), tokens/s generated
+fraction (seconds inside decoding steps, or with a request or call in flight, / seconds since
+streaming began; also the producer's `generate_s`), tokens/s generated
 (wasted ones included), groups in flight, the share of published samples with tokens of more
 than one version, tokens wasted, time from a version's announcement (`created_at`) to the first
-token sampled under it, and published sample lengths (p50, p90, max of the last 1000).
+token sampled under it, and published sample lengths (p50, p90, max of the last 1000). The
+producer adds each group's scoring, encoding and publishing seconds to `producer/other_s`
+(`miles.rollout`); they overlap other groups' generation.
 
 Simplifications, chosen on purpose:
 - Single-turn groups only; episodes stream their turns within a batch
@@ -46,12 +49,13 @@ Simplifications, chosen on purpose:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
 from collections import deque
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 
 import numpy as np
 
@@ -237,7 +241,8 @@ class RequestStream(Stream):
     the weights they named (`finish` without the wait); under `restart`, a group whose call
     started before the load is generated again when it returns (its tokens counted wasted).
     `continue` needs the continuous batcher. A call that fails (`EngineError`) is retried after
-    `ENGINE_RETRY_S`. The engine's busy share is not known here (the server's)."""
+    `ENGINE_RETRY_S`. Busy: the seconds with at least one call in flight (the server's own
+    load is not visible here; overlapping calls count once)."""
 
     def __init__(self, builder: SingleTurnGroups, in_engine: Callable[..., Awaitable],
                  weight_update: str, seed: int, on_error: Callable[[str], Awaitable],
@@ -245,7 +250,7 @@ class RequestStream(Stream):
         super().__init__(builder, in_engine, weight_update, seed, on_error)
         self._pool = ThreadPoolExecutor(max_workers=max_in_flight, thread_name_prefix="request")
         self.in_flight = 0
-        self.busy_s = 0.0  # seconds of generate calls, summed (they overlap)
+        self.clock = BusyClock()  # wall seconds with a generate call in flight
         self._loads = 0
         self._generated = self._wasted = 0
 
@@ -268,10 +273,11 @@ class RequestStream(Stream):
         engine, loop = self.builder.engine, asyncio.get_running_loop()
         params = self.builder.params_for(prompt)
         while True:
-            loads, began = self._loads, time.perf_counter()
+            loads = self._loads
             try:
-                completions = (await loop.run_in_executor(self._pool, functools.partial(
-                    engine.generate, [list(prompt)], params, seed=seed)))[0]
+                with self.clock.running():
+                    completions = (await loop.run_in_executor(self._pool, functools.partial(
+                        engine.generate, [list(prompt)], params, seed=seed)))[0]
             except EngineRejectedError:
                 raise  # the same request fails again: the producer dead-letters the prompt
             except EngineError as err:
@@ -280,8 +286,6 @@ class RequestStream(Stream):
                 await self.on_error(f"generation failed: {err}")
                 await asyncio.sleep(ENGINE_RETRY_S)
                 continue
-            finally:
-                self.busy_s += time.perf_counter() - began
             tokens = sum(len(c.token_ids) for c in completions)
             self._generated += tokens
             if self.policy != "restart" or self._loads == loads:
@@ -299,8 +303,12 @@ class RequestStream(Stream):
         self._loads += 1
         return seconds
 
+    @property
+    def busy_s(self) -> float:
+        return self.clock.seconds
+
     def extras(self) -> dict[str, float | int]:
-        return self._metrics(None, self._generated, self._wasted, self.in_flight)
+        return self._metrics(self.busy_s, self._generated, self._wasted, self.in_flight)
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
@@ -395,6 +403,32 @@ class AsyncRequestStream(Stream):
         return self._metrics(self.busy_s,
                              self.requests.tokens_generated - self._baseline[1],
                              self.requests.tokens_wasted - self._baseline[2], self.in_flight)
+
+
+class BusyClock:
+    """Wall seconds with at least one call running (calls that overlap count once); used from
+    the event loop only."""
+
+    def __init__(self) -> None:
+        self._running = 0
+        self._since = 0.0
+        self._total = 0.0
+
+    @property
+    def seconds(self) -> float:
+        return self._total + (time.monotonic() - self._since if self._running else 0.0)
+
+    @contextlib.contextmanager
+    def running(self) -> Iterator[None]:
+        if not self._running:
+            self._since = time.monotonic()
+        self._running += 1
+        try:
+            yield
+        finally:
+            self._running -= 1
+            if not self._running:
+                self._total += time.monotonic() - self._since
 
 
 async def _first(*waits: Awaitable) -> None:
