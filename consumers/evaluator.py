@@ -8,7 +8,7 @@ records from the trainer and the trainer never waits for it:
   loaded (from `weights.store`, sha256-verified) and its greedy accuracy measured on
   `eval_problems` problems of the held-out split (`miles.evaluation.Evaluator`); with `env`,
   each problem is a greedy episode through that environment, solved when its return is
-  positive.
+  positive, in the run's environment with its `tools` and `sandbox` limits.
 Every `every_s` seconds it appends a `{"kind": "stream", ...}` line with the stream's numbers to
 `out`, and a `{"kind": "held_out", ...}` line per measurement (also sent to the experiment
 trackers as `held_out/accuracy`, `miles.trackers`). Invalid trajectory records
@@ -25,15 +25,20 @@ import time
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from miles.bus.security import KafkaSecurity
 from miles.engines.base import LoraSettings
+from miles.envs import SandboxLimits, ToolSettings, load_environment
 from miles.episodes import EpisodeSettings
 from miles.errors import MilesError
 from miles.protocol import TrajectoryGroup, decode
 from miles.service import daemon_main, wait_or_stop
 from miles.trackers import TrackerSettings
 from miles.weights.following import FollowConfig
+
+if TYPE_CHECKING:
+    from miles.evaluation import EpisodeEval
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -55,6 +60,8 @@ class EvaluatorSettings:
     episodes: EpisodeSettings = field(default_factory=EpisodeSettings)  # the run's limits
     turn_tokens: int = 8  # tokens per model turn with env (the producer's sampling.max_new_tokens)
     trackers: TrackerSettings = field(default_factory=TrackerSettings)  # TensorBoard, W&B, MLflow
+    tools: ToolSettings = field(default_factory=ToolSettings)  # a tool environment's limits
+    sandbox: SandboxLimits = field(default_factory=SandboxLimits)  # the python env's sandbox
 
 
 class StreamStats:
@@ -91,8 +98,7 @@ async def run_evaluator(settings: EvaluatorSettings, stop: asyncio.Event) -> dic
     import torch
 
     from miles.bus import open_bus
-    from miles.envs import load_environment
-    from miles.evaluation import EpisodeEval, Evaluator
+    from miles.evaluation import Evaluator
     from miles.tasks.datasets import load_problems
     from miles.tasks.rewards import resolve_reward
     from miles.trackers import open_trackers
@@ -100,9 +106,7 @@ async def run_evaluator(settings: EvaluatorSettings, stop: asyncio.Event) -> dic
     torch.set_num_threads(settings.torch_threads)
     scorer = resolve_reward(settings.reward, timeout_s=settings.reward_timeout_s)
     problems = load_problems(settings.prompts, "test")[:settings.eval_problems]
-    episodes = None if not settings.env else EpisodeEval(
-        factory=load_environment(settings.env, reward=scorer), settings=settings.episodes,
-        turn_tokens=settings.turn_tokens)
+    episodes = episode_eval(settings, scorer)
     settings.out.parent.mkdir(parents=True, exist_ok=True)
     with open_trackers(settings.trackers, role="fanout-evaluator", run=settings.run,
                        default_dir=settings.out.parent / "trackers", config=settings) as trackers:
@@ -127,6 +131,20 @@ async def _evaluate(settings: EvaluatorSettings, bus, evaluator, stop: asyncio.E
             tasks.create_task(_report(settings, stats, evaluator, stop))
             tasks.create_task(evaluator.follow(stop, time.monotonic()))
     return {"measurements": len(evaluator.curve.points), "invalid": stats.invalid}
+
+
+def episode_eval(settings: EvaluatorSettings, scorer) -> EpisodeEval | None:
+    """The held-out episodes in the run's environment, built as the producers build it (its
+    tool and sandbox limits too, so a problem is solved under the same limits as in training);
+    None without `env`."""
+    from miles.evaluation import EpisodeEval
+
+    if not settings.env:
+        return None
+    factory = load_environment(settings.env, reward=scorer, tools=settings.tools,
+                               sandbox=settings.sandbox)
+    return EpisodeEval(factory=factory, settings=settings.episodes,
+                       turn_tokens=settings.turn_tokens)
 
 
 async def _read_stream(stream, stats: StreamStats, stop: asyncio.Event) -> None:

@@ -16,7 +16,10 @@ Three loops share one engine:
   id). A batch the engine fails on (`EngineError`) is rewound and retried after
   `ENGINE_RETRY_S`, counted and reported in a heartbeat. A prompt no engine of this vocabulary
   can take (no tokens, token ids outside it) is the prompt's fault, not the engine's: it is
-  dead-lettered and committed past with its batch, never retried.
+  dead-lettered and committed past with its batch, never retried (`bad_prompts`). So is a
+  single-turn prompt this engine cannot take for what it asks (`rejected_prompts`): one that
+  fills the engine's context, or one the engine refuses (`EngineRejectedError`; the letter's
+  reason `prompt rejected: <why>`, `miles.rollout_groups`); batched or streamed, the rest goes on.
   Streaming (`max_in_flight` > 0, `miles.rollout_stream`, docs/streaming.md) replaces batches:
   up to `max_in_flight` groups in generation at once, each published as it ends and its
   prompt committed out of order (`StreamOffsets`), new prompts taken as admission allows;
@@ -56,8 +59,9 @@ from miles.bus.decoding import Decoded, DecodingConsumer
 from miles.engines.base import RolloutEngine, prompt_problem
 from miles.envs import EnvironmentFactory
 from miles.episodes import EpisodeSettings, prompt_ids
-from miles.errors import ConfigError, EngineError, EpisodeError
+from miles.errors import ConfigError, EngineError, EngineRejectedError, EpisodeError
 from miles.protocol import ALL_TARGETS, Command, Heartbeat, PromptTask, WeightVersion, encode
+from miles.protocol.records import rejected_prompt_reason
 from miles.protocol.topics import topic_name
 from miles.rl.sampling import SamplingParams
 from miles.service import wait_or_stop
@@ -146,6 +150,7 @@ class RolloutWorker:
                                          "producer/load_s": 0.0, "producer/engine_errors": 0,
                                          "producer/weight_loads": 0, "producer/weight_errors": 0,
                                          "producer/bad_prompts": 0,
+                                         "producer/rejected_prompts": 0,
                                          "producer/unverified": 0}
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
         shared = (engine, config.sampling, config.producer_id, self.counts)
@@ -241,7 +246,8 @@ class RolloutWorker:
                         continue
                     for item, ids in await self._takeable(prompts, polled):
                         ticket = self.commits.take(item.record)
-                        group = tasks.create_task(self._stream_group(item, ids, ticket))
+                        group = tasks.create_task(self._stream_group(prompts, item, ids,
+                                                                     ticket))
                         groups.add(group)
                         group.add_done_callback(groups.discard)
                     self.commits.polled(prompts.polled)
@@ -282,15 +288,26 @@ class RolloutWorker:
         return admissible(loaded_version=self.engine.policy_version, in_flight=queued,
                           most=free, **bound)
 
-    async def _stream_group(self, item: Decoded, ids: list[int], ticket) -> None:
-        """Generate, score and publish one prompt's group, then mark its record done."""
+    async def _stream_group(self, prompts: DecodingConsumer, item: Decoded, ids: list[int],
+                            ticket) -> None:
+        """Generate, score and publish one prompt's group (or dead-letter a prompt the engine
+        refuses), then mark its record done."""
         self._sequence += 1
-        group = await self.stream.group(item.value, ids, self._sequence)
+        try:
+            group = await self.stream.group(item.value, ids, self._sequence)
+        except EngineRejectedError as err:
+            await self._reject_prompt(prompts, item, str(err))
+            self.commits.finish(ticket)
+            return
+        began = time.perf_counter()
         await (await self.bus.send(self._topic("trajectories"), encode(group),
                                    key=group.task_id.encode()))
         self.counts["producer/groups"] += 1
         self.counts["producer/tokens"] += sum(s.policy_tokens for s in group.samples)
         self.counts["producer/generate_s"] = self.stream.busy_s
+        # its scoring (`reward_s`), encoding and publishing: overlaps other groups' generation
+        self.counts["producer/other_s"] += group.timings["reward_s"] + (time.perf_counter()
+                                                                        - began)
         self.commits.finish(ticket)
 
     async def _batch(self, consumer, prompts: DecodingConsumer, batch, stop: asyncio.Event) -> None:
@@ -332,8 +349,14 @@ class RolloutWorker:
                                       f"engine {self.engine.name}", "prompt_token_ids")
         return takeable
 
+    async def _reject_prompt(self, prompts: DecodingConsumer, item: Decoded, why: str) -> None:
+        """Dead-letter a prompt this engine cannot take for what it asks (generating it again
+        would fail again), counted; it is committed past like a published one."""
+        self.counts["producer/rejected_prompts"] += 1
+        await prompts.dead_letter(item.record, rejected_prompt_reason(why), "rejected_prompt")
+
     async def _retry_later(self, consumer, batch, err: EngineError, stop: asyncio.Event) -> None:
-        """The engine failed on a batch (a server restart, a bad request): its prompts are not
+        """The engine failed on a batch (a server restart, a timeout): its prompts are not
         committed; rewind to them and try again after a pause. Generation goes on."""
         self._in_flight = 0
         log.error("generation failed, retrying the batch in %g s: %s", ENGINE_RETRY_S, err)
@@ -394,8 +417,9 @@ class RolloutWorker:
 
     async def _roll_out(self, prompts: DecodingConsumer,
                         items: list[tuple[Decoded, list[int]]]) -> None:
-        """Generate the groups of `items`, publish them, and dead-letter the batch's failed
-        episodes (`rollout_groups.FailedEpisode`) as letters about their prompts."""
+        """Generate the groups of `items`, publish them, and dead-letter the batch's refused
+        prompts and failed episodes (`rollout_groups.FailedEpisode`) as letters about their
+        prompts."""
         began = time.perf_counter()
         self._in_flight = len(items)
         self._sequence += 1
@@ -406,6 +430,8 @@ class RolloutWorker:
                                        key=g.task_id.encode()) for g in groups]
         for delivery in pending:
             await delivery
+        for rejected in self.groups.rejected:
+            await self._reject_prompt(prompts, items[rejected.index][0], rejected.why)
         for failed in self.groups.failed:
             await prompts.dead_letter(items[failed.index][0].record, failed.reason,
                                       f"episode/{failed.kind}", part=failed.part,
@@ -505,6 +531,8 @@ class RolloutWorker:
                  "tokens": int(self.counts["producer/tokens"]),
                  "weight_errors": int(self.counts["producer/weight_errors"]),
                  "unverified": int(self.counts["producer/unverified"]),
+                 "bad_prompts": int(self.counts["producer/bad_prompts"]),
+                 "rejected_prompts": int(self.counts["producer/rejected_prompts"]),
                  "commit_failures": self.commits.failures,
                  "paused": self.paused,
                  "generate_s": round(self.counts["producer/generate_s"], 3),

@@ -2,6 +2,13 @@
 
 - `SingleTurnGroups` (no `env` set, the behaviour before environments): one engine call for the
   batch (`n` completions per prompt), one `Scorer` call per group, one sample per completion.
+  The engine's context (`RolloutEngine.context_limit`) bounds prompt plus response: a prompt
+  near it samples only the room left (`max_new_tokens` cut, and recorded so in the group's
+  `sampling`; such rows get an engine call per room, as a vLLM server refuses prompt plus
+  max_tokens past max_model_len), and a prompt that fills it is rejected before generating.
+  So is a prompt the engine refuses (`EngineRejectedError`: the refused call's rows are
+  generated one by one to find it): the same request would fail again, so the batch goes on
+  without it and the worker dead-letters it (`rejected`).
 - `EpisodeGroups` (`env` set): `miles.episodes.EpisodeRunner` plays `n` episodes per prompt;
   each prompt's finished episodes are its group. A failed episode (its environment raised or
   timed out, its chat template broke the token prefix, its task was malformed) is counted by
@@ -29,6 +36,7 @@ the producer at start-up (`miles.episodes.check_stop_strings`).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Callable
@@ -41,7 +49,7 @@ from miles.envs import EnvironmentFactory
 from miles.episodes import (EpisodeRecord, EpisodeRunner, EpisodeSettings, check_stop_strings,
                             context_warning, is_single_turn)
 from miles.episodes.hosting import abandoned_threads
-from miles.errors import CodecError
+from miles.errors import CodecError, EngineRejectedError
 from miles.protocol import PromptTask, Sample, TrajectoryGroup, encode
 from miles.protocol.records import failed_episode_reason
 from miles.rl.sampling import SamplingParams
@@ -65,6 +73,14 @@ class FailedEpisode:
     payload: bytes | None  # its encoded group (None: no turn was played, or it does not encode)
 
 
+@dataclass(frozen=True, slots=True)
+class RejectedPrompt:
+    """A prompt of the last batch the engine cannot take for what it asks."""
+
+    index: int  # its position in the batch
+    why: str  # e.g. "the prompt's 40 tokens fill engine hf's context of 32"
+
+
 class GroupBuilder:
     """What both paths share: the run's identity and the group record around samples."""
 
@@ -74,6 +90,7 @@ class GroupBuilder:
         self.counts = counts
         self.generate_s = 0.0  # engine time of the last batch
         self.failed: list[FailedEpisode] = []  # the last batch's failed episodes
+        self.rejected: list[RejectedPrompt] = []  # the last batch's refused prompts
 
     def group(self, task: PromptTask, prompt: list[int], samples: list[Sample], sequence: int,
               sampling: dict, timings: dict[str, float], suffix: str = "") -> TrajectoryGroup:
@@ -95,12 +112,51 @@ class SingleTurnGroups(GroupBuilder):
         self.scorer, self.in_engine = scorer, in_engine
 
     async def groups(self, batch: Batch, seed: int, sequence: int) -> list[TrajectoryGroup]:
+        """The scored groups of `batch`'s prompts, less those the engine refused (`rejected`).
+        One engine call per distinct room left (one, unless a prompt is near the context)."""
+        self.rejected = []
         began = time.perf_counter()
-        completions = await self.in_engine(self.engine.generate, [ids for _, ids in batch],
-                                           self.sampling, seed=seed)
+        calls: dict[int, tuple[SamplingParams, list[int]]] = {}
+        for i, (_, prompt) in enumerate(batch):
+            try:
+                params = self.params_for(prompt)
+            except EngineRejectedError as err:
+                self.rejected.append(RejectedPrompt(i, str(err)))
+                continue
+            calls.setdefault(params.max_new_tokens, (params, []))[1].append(i)
+        completions: dict[int, list[Completion]] = {}
+        for params, rows in calls.values():
+            await self._generate(batch, rows, params, seed, completions)
         self.generate_s = time.perf_counter() - began
-        return [await self.scored_group(task, prompt, outs, sequence)
-                for (task, prompt), outs in zip(batch, completions)]
+        return [await self.scored_group(task, prompt, completions[i], sequence)
+                for i, (task, prompt) in enumerate(batch) if i in completions]
+
+    def params_for(self, prompt: list[int]) -> SamplingParams:
+        """The sampling of `prompt`: `max_new_tokens` cut to the room the engine's context
+        leaves; EngineRejectedError when the prompt leaves none (checked before generating)."""
+        limit = self.engine.context_limit
+        if limit is None or len(prompt) + self.sampling.max_new_tokens <= limit:
+            return self.sampling
+        if len(prompt) >= limit:
+            raise EngineRejectedError(f"the prompt's {len(prompt)} tokens fill engine "
+                                      f"{self.engine.name}'s context of {limit}")
+        return dataclasses.replace(self.sampling, max_new_tokens=limit - len(prompt))
+
+    async def _generate(self, batch: Batch, rows: list[int], params: SamplingParams, seed: int,
+                        out: dict[int, list[Completion]]) -> None:
+        """The completions of `batch[rows]` into `out`, in one engine call; if the engine
+        refuses it, row by row, so only the refused prompts are `rejected`."""
+        try:
+            groups = await self.in_engine(self.engine.generate, [batch[i][1] for i in rows],
+                                          params, seed=seed)
+        except EngineRejectedError as err:
+            if len(rows) == 1:
+                self.rejected.append(RejectedPrompt(rows[0], str(err)))
+                return
+            for row in rows:
+                await self._generate(batch, [row], params, seed, out)
+            return
+        out.update(zip(rows, groups, strict=True))
 
     async def scored_group(self, task: PromptTask, prompt: list[int],
                            completions: list[Completion], sequence: int,
@@ -116,7 +172,7 @@ class SingleTurnGroups(GroupBuilder):
         scored = await self.scorer.score(texts, [task.reference] * n, [task.prompt] * n)
         versions = token_versions or [None] * n
         samples = [_sample(c, s, v) for c, s, v in zip(completions, scored, versions, strict=True)]
-        return self.group(task, prompt, samples, sequence, self.sampling.as_wire(),
+        return self.group(task, prompt, samples, sequence, self.params_for(prompt).as_wire(),
                           {"generate_s": self.generate_s if generate_s is None else generate_s,
                            "reward_s": time.perf_counter() - began})
 

@@ -27,33 +27,41 @@ refuse `continue`, and their `finish` needs no wait where adapters load beside r
   samples. One version per sample with no wait; fits short samples and frequent updates.
 
 Metrics (`extras()`, in the producer heartbeat and so in `miles status`): the engine's busy
-fraction (seconds inside decoding steps / seconds since streaming began), tokens/s generated
+fraction (seconds inside decoding steps, or with a request or call in flight, / seconds since
+streaming began; also the producer's `generate_s`), tokens/s generated
 (wasted ones included), groups in flight, the share of published samples with tokens of more
 than one version, tokens wasted, time from a version's announcement (`created_at`) to the first
-token sampled under it, and published sample lengths (p50, p90, max of the last 1000).
+token sampled under it, and published sample lengths (p50, p90, max of the last 1000). The
+producer adds each group's scoring, encoding and publishing seconds to `producer/other_s`
+(`miles.rollout`); they overlap other groups' generation.
 
 Simplifications, chosen on purpose:
 - Single-turn groups only; episodes stream their turns within a batch
   (`episodes.stream_turns`).
 - A decoding step that raises `EngineError` is retried after `ENGINE_RETRY_S` with the rows
   still in flight (the batcher rebuilds their cache), counted in `producer/engine_errors`; a
-  request or call that fails is submitted again after the same pause.
+  request or call that fails is submitted again after the same pause, unless the engine refused
+  it (`EngineRejectedError`, or a prompt that fills the context, checked before submitting:
+  `SingleTurnGroups.params_for`, which also cuts `max_new_tokens` to the room left): then
+  `group` raises it and the producer dead-letters the prompt.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
 from collections import deque
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 
 import numpy as np
 
-from miles.errors import EngineError
+from miles.errors import EngineError, EngineRejectedError
 from miles.protocol import PromptTask, TrajectoryGroup
+from miles.rl.sampling import SamplingParams
 from miles.rollout_groups import SingleTurnGroups
 from miles.service import wait_or_stop
 
@@ -147,11 +155,11 @@ class GroupStream(Stream):
     async def group(self, task: PromptTask, prompt: list[int], sequence: int) -> TrajectoryGroup:
         """Generate `task`'s group in the running batch and score it."""
         began = time.perf_counter()
-        seed = self._seed(sequence)
+        seed, params = self._seed(sequence), self.builder.params_for(prompt)
         while True:
             while self.holding:  # a load is on its way: start under the new weights
                 await asyncio.sleep(0.01)
-            request = self.sampler.submit(list(prompt), self.builder.sampling, seed=seed)
+            request = self.sampler.submit(list(prompt), params, seed=seed)
             future = asyncio.get_running_loop().create_future()
             self._futures[request] = future
             self._wake.set()
@@ -233,7 +241,8 @@ class RequestStream(Stream):
     the weights they named (`finish` without the wait); under `restart`, a group whose call
     started before the load is generated again when it returns (its tokens counted wasted).
     `continue` needs the continuous batcher. A call that fails (`EngineError`) is retried after
-    `ENGINE_RETRY_S`. The engine's busy share is not known here (the server's)."""
+    `ENGINE_RETRY_S`. Busy: the seconds with at least one call in flight (the server's own
+    load is not visible here; overlapping calls count once)."""
 
     def __init__(self, builder: SingleTurnGroups, in_engine: Callable[..., Awaitable],
                  weight_update: str, seed: int, on_error: Callable[[str], Awaitable],
@@ -241,7 +250,7 @@ class RequestStream(Stream):
         super().__init__(builder, in_engine, weight_update, seed, on_error)
         self._pool = ThreadPoolExecutor(max_workers=max_in_flight, thread_name_prefix="request")
         self.in_flight = 0
-        self.busy_s = 0.0  # seconds of generate calls, summed (they overlap)
+        self.clock = BusyClock()  # wall seconds with a generate call in flight
         self._loads = 0
         self._generated = self._wasted = 0
 
@@ -262,19 +271,21 @@ class RequestStream(Stream):
 
     async def _generate(self, prompt: list[int], seed: int) -> list:
         engine, loop = self.builder.engine, asyncio.get_running_loop()
+        params = self.builder.params_for(prompt)
         while True:
-            loads, began = self._loads, time.perf_counter()
+            loads = self._loads
             try:
-                completions = (await loop.run_in_executor(self._pool, functools.partial(
-                    engine.generate, [list(prompt)], self.builder.sampling, seed=seed)))[0]
+                with self.clock.running():
+                    completions = (await loop.run_in_executor(self._pool, functools.partial(
+                        engine.generate, [list(prompt)], params, seed=seed)))[0]
+            except EngineRejectedError:
+                raise  # the same request fails again: the producer dead-letters the prompt
             except EngineError as err:
                 log.error("a group's generation failed, retrying in %g s: %s", ENGINE_RETRY_S,
                           err)
                 await self.on_error(f"generation failed: {err}")
                 await asyncio.sleep(ENGINE_RETRY_S)
                 continue
-            finally:
-                self.busy_s += time.perf_counter() - began
             tokens = sum(len(c.token_ids) for c in completions)
             self._generated += tokens
             if self.policy != "restart" or self._loads == loads:
@@ -292,8 +303,12 @@ class RequestStream(Stream):
         self._loads += 1
         return seconds
 
+    @property
+    def busy_s(self) -> float:
+        return self.clock.seconds
+
     def extras(self) -> dict[str, float | int]:
-        return self._metrics(None, self._generated, self._wasted, self.in_flight)
+        return self._metrics(self.busy_s, self._generated, self._wasted, self.in_flight)
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
@@ -330,26 +345,30 @@ class AsyncRequestStream(Stream):
         """Generate `task`'s group as one request (again after a `restart` or a failure) and
         score it."""
         began = time.perf_counter()
-        seed = self._seed(sequence)
+        seed, params = self._seed(sequence), self.builder.params_for(prompt)
         completions = None
         while completions is None:
             while self.holding:  # a load is on its way: start under the new weights
                 await asyncio.sleep(0.01)
-            completions = await self._generate(prompt, seed)
+            completions = await self._generate(prompt, params, seed)
         group = await self.builder.scored_group(task, prompt, completions, sequence,
                                                 generate_s=time.perf_counter() - began)
         self._count(group)
         return group
 
-    async def _generate(self, prompt: list[int], seed: int) -> list | None:
-        """One request's Completions; None if a `restart` aborted it or it failed."""
+    async def _generate(self, prompt: list[int], params: SamplingParams,
+                        seed: int) -> list | None:
+        """One request's Completions; None if a `restart` aborted it or it failed (raised if
+        the engine refused it)."""
         try:
-            request = self.requests.submit(list(prompt), self.builder.sampling, seed=seed)
+            request = self.requests.submit(list(prompt), params, seed=seed)
             self._running.add(request)
             try:
                 completions = await asyncio.wrap_future(request.future)
             finally:
                 self._running.discard(request)
+        except EngineRejectedError:
+            raise  # the same request fails again: the producer dead-letters the prompt
         except EngineError as err:
             log.error("a group's request failed, retrying in %g s: %s", ENGINE_RETRY_S, err)
             await self.on_error(f"generation failed: {err}")
@@ -384,6 +403,32 @@ class AsyncRequestStream(Stream):
         return self._metrics(self.busy_s,
                              self.requests.tokens_generated - self._baseline[1],
                              self.requests.tokens_wasted - self._baseline[2], self.in_flight)
+
+
+class BusyClock:
+    """Wall seconds with at least one call running (calls that overlap count once); used from
+    the event loop only."""
+
+    def __init__(self) -> None:
+        self._running = 0
+        self._since = 0.0
+        self._total = 0.0
+
+    @property
+    def seconds(self) -> float:
+        return self._total + (time.monotonic() - self._since if self._running else 0.0)
+
+    @contextlib.contextmanager
+    def running(self) -> Iterator[None]:
+        if not self._running:
+            self._since = time.monotonic()
+        self._running += 1
+        try:
+            yield
+        finally:
+            self._running -= 1
+            if not self._running:
+                self._total += time.monotonic() - self._since
 
 
 async def _first(*waits: Awaitable) -> None:

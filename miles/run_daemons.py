@@ -67,6 +67,7 @@ def daemon_settings(config: RunConfig, model_dir: Path) -> dict:
                                        weights=config.weights(), env=config.env,
                                        episodes=config.episodes,
                                        turn_tokens=config.sampling.max_new_tokens,
+                                       tools=config.tools, sandbox=config.sandbox,
                                        trackers=config.tracker_settings()),
         "recorder": RecorderSettings(bus=config.bus, kafka=config.kafka, run=config.run,
                                      out_dir=config.out_dir / "archive", file_seconds=30.0),

@@ -128,6 +128,12 @@ class StopCounter(Counter):
     stop_strings = ("1", "2", "+", "=")
 
 
+class FiveStops(Counter):
+    """A Counter with five stop strings: one more than a vLLM server takes."""
+
+    stop_strings = ("1", "2", "+", "=", "3")
+
+
 class Sleepy(Counter):
     """A Counter whose step blocks its thread (`time.sleep`, as a careless simulator or a
     blocking client would) for the task's metadata["sleep"] seconds."""

@@ -113,6 +113,7 @@ class RolloutEngine(abc.ABC):
     """
 
     name: str  # engine kind as recorded on the wire, e.g. "hf"
+    max_stop_strings: int = MAX_STOP_STRINGS  # most stop strings one request may carry
 
     @property
     @abc.abstractmethod

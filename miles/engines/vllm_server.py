@@ -125,12 +125,14 @@ class RejectedStatusError(HTTPStatusError, EngineRejectedError):
 
 UNAVAILABLE_STATUSES = (502, 503, 504)
 REJECTED_STATUSES = (400, 422)
+SERVER_MAX_STOP_STRINGS = 4  # vLLM's request schema refuses more stop strings (HTTP 400)
 
 
 class VLLMServerEngine(TokenizedEngine):
     """A `vllm serve` process behind the engine contract; see the module docstring."""
 
     name = "vllm-server"
+    max_stop_strings = SERVER_MAX_STOP_STRINGS
 
     def __init__(self, base_url: str, model: str, tokenizer_dir: str | Path, *,
                  timeout_s: float = 600.0, lora: bool = True, api_key: str = "",

@@ -88,16 +88,26 @@ def unknown_token_id(engine) -> int | None:
 
 
 def check_stop_strings(engine, factory) -> None:
-    """ConfigError, at start-up, if the environment's stop strings encode to the engine's
-    unknown token: the model could never write them (a turn would never end on a tool call)
-    and observations in the same characters would reach it as unknown tokens. Read from the
+    """ConfigError, at start-up, if the environment has more stop strings than the engine takes
+    in a request (`max_stop_strings`: a vLLM server 4, else 16), or if one encodes to the
+    engine's unknown token: the model could never write it (a turn would never end on a tool
+    call) and observations in the same characters would reach it as unknown tokens. Read from the
     environment class (`factory` or the `functools.partial` around it); a factory of another
     kind is not checked."""
     target = getattr(factory, "func", factory)
-    unk = unknown_token_id(engine)
-    if unk is None or not isinstance(target, type):
+    if not isinstance(target, type):
         return
-    for stop in getattr(target, "stop_strings", ()):
+    stops = getattr(target, "stop_strings", ())
+    if len(stops) > engine.max_stop_strings:
+        raise ConfigError(
+            f"env {target.__module__}.{target.__qualname__}: its {len(stops)} stop strings are "
+            f"more than engine {engine.name!r} takes ({engine.max_stop_strings} per request): "
+            f"every turn would be refused. Use fewer stop strings in the environment, or "
+            f"another engine")
+    unk = unknown_token_id(engine)
+    if unk is None:
+        return
+    for stop in stops:
         if unk in engine.encode(stop):
             raise ConfigError(
                 f"env {target.__module__}.{target.__qualname__}: its stop string {stop!r} "

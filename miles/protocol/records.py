@@ -268,6 +268,16 @@ def failed_episode_reason(failure: str) -> str:
     return FAILED_EPISODE + failure
 
 
+REJECTED_PROMPT = "prompt rejected: "
+"""How the dead letter reason of a prompt the engine cannot take for what it asks starts (its
+tokens fill the engine's context, or the engine refused the request): `prompt rejected: <why>`."""
+
+
+def rejected_prompt_reason(why: str) -> str:
+    """The letter reason of a single-turn prompt the engine refused for `why`."""
+    return REJECTED_PROMPT + why
+
+
 def failed_episode_kind(reason: str) -> str | None:
     """The failure kind of a failed episode's letter reason; None for any other reason."""
     if not reason.startswith(FAILED_EPISODE):

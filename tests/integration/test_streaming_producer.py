@@ -80,6 +80,7 @@ async def test_groups_stream_out_as_they_end_and_their_prompts_commit(model_dir,
     run = "stream-basic"
     fed = arithmetic_problems("train")[:16]
     async with open_bus("embedded://") as bus:
+        began = time.monotonic()
         worker, stop, running = await start(bus, run, model_dir, store, max_in_flight=4,
                                             sampling=SamplingParams(n=2, max_new_tokens=12))
         most = 0
@@ -110,6 +111,8 @@ async def test_groups_stream_out_as_they_end_and_their_prompts_commit(model_dir,
     assert 0 < reported["busy_fraction"] <= 1 and reported["length_max"] <= 12
     assert "streaming busy_fraction" in format_status(status)
     assert {int(v) for g in groups for s in g.samples for v in s.versions} == {0}
+    other_s = worker.counts["producer/other_s"]  # scoring, encoding, publishing, per group
+    assert sum(g.timings["reward_s"] for g in groups) < other_s < time.monotonic() - began
 
 
 @pytest.mark.parametrize("policy", ["continue", "finish", "restart"])
@@ -224,6 +227,41 @@ async def test_a_version_loaded_while_server_requests_run(tmp_path, policy):
         assert models == ["tiny", "tiny", "miles-v1", "miles-v1"] and versions == {1}
         assert extras["restarted_groups"] == 2 and extras["tokens_wasted"] == 2 * 2 * 3
     assert fake.posted("/v1/unload_lora_adapter") == []  # the base model is never unloaded
+
+
+async def test_the_server_streams_busy_fraction_counts_overlapping_requests_once(tmp_path):
+    """Four groups, two at a time, each call answered after 0.5 s: the server is busy about
+    1 s of wall time (the calls of a pair overlap; summed they take 2 s), reported as the
+    stream's busy_fraction and as generation seconds; scoring and publishing count as
+    `other_s`."""
+    fake = FakeVLLM()
+    reply = recorded("completion_2x2.json")
+    fake.route("POST", "/v1/completions", {**reply, "choices": reply["choices"][:2]}, delay=0.5)
+    engine = VLLMServerEngine(fake.url, "tiny", tokenizer_folder(tmp_path / "tok", vocab_size=VOCAB),
+                              timeout_s=5.0, check_logprobs_mode=False)
+    run = "server-busy"
+    try:
+        async with open_bus("embedded://") as bus:
+            await bus.create_topics(run_topics(run, prompt_partitions=1,
+                                               trajectory_partitions=1))
+            worker = RolloutWorker(bus, engine, Scorer(starts_with_digit), RolloutConfig(
+                run=run, heartbeat_s=60, max_staleness=100, max_in_flight=2,
+                weight_update="finish", sampling=SamplingParams(n=2, max_new_tokens=3)))
+            stop = asyncio.Event()
+            running = asyncio.create_task(worker.run(stop))
+            try:
+                await feed(bus, run, arithmetic_problems("train")[:4], shuffle=False)
+                await wait_for(lambda: worker.counts["producer/groups"] == 4)
+            finally:
+                stop.set()
+                await asyncio.wait_for(running, 30)
+            groups = await published(bus, run, 4)
+    finally:
+        fake.close()
+    extras, busy_s = worker.stream.extras(), worker.counts["producer/generate_s"]
+    assert 0.95 <= busy_s < 1.8, busy_s
+    assert 0 < extras["busy_fraction"] <= 1
+    assert 0 < sum(g.timings["reward_s"] for g in groups) < worker.counts["producer/other_s"]
 
 
 @pytest.mark.parametrize("policy", ["finish", "restart"])

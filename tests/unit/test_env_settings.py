@@ -45,3 +45,18 @@ def test_the_python_environment_takes_the_sandbox_limits():
     env = load_environment("python", reward=SCORER, sandbox=limits)()
     assert env.sandbox.limits == limits
     assert load_environment("python", reward=SCORER)().sandbox.limits == SandboxLimits()
+
+
+async def test_the_evaluator_daemon_carries_tools_and_sandbox(tmp_path):
+    """`miles run` with fan-out writes the evaluator's settings file; the environment of its
+    held-out episodes takes the run's tool and sandbox limits from it."""
+    from consumers.evaluator import EvaluatorSettings, episode_eval
+    from miles.run_daemons import daemon_settings, write_settings
+
+    run = load_config(RunConfig, env={}, overrides=[
+        "env=tests.envs:Napper", "tools.timeout_s=0.1", "sandbox.cpu_s=2"])
+    written = write_settings(daemon_settings(run, tmp_path)["evaluator"], tmp_path / "ev.yaml")
+    settings = load_config(EvaluatorSettings, path=written, env={})
+    assert settings.tools.timeout_s == 0.1 and settings.sandbox.cpu_s == 2
+    assert (await napped(episode_eval(settings, SCORER).factory))["errors"] == 1
+    assert episode_eval(EvaluatorSettings(), SCORER) is None  # single-turn: no environment

@@ -300,7 +300,7 @@ async def test_the_producer_scores_a_group_with_one_call_and_records_errors():
         return [{"ab": 1.0, "ba": float("nan")}.get(r, 0.25) for r in responses]
 
     engine = SimpleNamespace(decode=lambda ids: "".join("abc"[i] for i in ids), name="fake",
-                             vocab_size=3)
+                             vocab_size=3, context_limit=None)
     worker = RolloutWorker(None, engine, Scorer(by_text), RolloutConfig())
     try:
         completions = [Completion(token_ids=np.array(ids, dtype=np.int32),

@@ -692,3 +692,25 @@ async def test_a_refused_turn_fails_its_episode_not_the_batch(fake, tokenizer_di
     assert ok.failure is None and ok.turns[0].completion.token_ids.tolist() == [8, 6, 2]
     assert bad.failure_kind == "engine_rejected" and "maximum context length" in bad.failure
     assert [len(body["prompt"]) for body in fake.posted("/v1/completions")] == [2, 1, 1]
+
+
+def test_more_stop_strings_than_the_server_takes_stop_the_producer_at_start_up(fake,
+                                                                               tokenizer_dir):
+    """vLLM's request schema takes at most 4 stop strings (HTTP 400 for more; Miles allows
+    16): a producer whose environment has 5 fails when it is built, naming the environment
+    and the engine, instead of having every turn refused; an engine of Miles' 16 takes them."""
+    from miles.bus.embedded import EmbeddedBus
+    from miles.envs import load_environment
+    from miles.rollout import RolloutConfig, RolloutWorker
+    from miles.tasks.rewards import resolve_reward
+    from tests.scripted import ScriptedEngine
+
+    scorer = resolve_reward("exact_match")
+    server, local = engine_for(fake, tokenizer_dir), ScriptedEngine(tokenizer_dir, str)
+    five, four = (load_environment(f"tests.envs:{name}", reward=scorer)
+                  for name in ("FiveStops", "StopCounter"))
+    for engine, env in ((server, four), (local, five)):
+        RolloutWorker(EmbeddedBus(), engine, scorer, RolloutConfig(), env=env)
+    with pytest.raises(ConfigError, match=r"env tests.envs.FiveStops: its 5 stop strings are "
+                                          r"more than engine 'vllm-server' takes \(4"):
+        RolloutWorker(EmbeddedBus(), server, scorer, RolloutConfig(), env=five)
