@@ -18,77 +18,34 @@ is left as it is (only this checkout is re-linked in editable mode).
 
 from __future__ import annotations
 
-import argparse
-import hashlib
-import json
 import os
-import subprocess
 import sys
-import time
 from pathlib import Path
+
+from side_env import REPO, SideEnv, cli, install
 
 TRL = "trl==1.16.0"
 CONSTRAINTS = ("torch==2.15.0", "transformers==5.25.0", "peft==0.21.2", "accelerate==1.16.0",
                "datasets==5.2.0")
 """The versions of Miles' main environment when the harness was written (TRL 1.16.0 accepts
 them all: transformers>=4.56.2, accelerate>=1.10.1, datasets>=4.7.0, peft>=0.13.0)."""
-REPO = Path(__file__).resolve().parents[1]
 DEFAULT_VENV = Path(os.environ.get("MILES_TRL_ENV", Path.home() / ".cache" / "miles" / "trl-env"))
 STAMP = "miles-trl-stamp.json"
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--venv", type=Path, default=DEFAULT_VENV,
-                        help=f"where to build it (default {DEFAULT_VENV}; env MILES_TRL_ENV)")
-    args = parser.parse_args(argv)
-    python = build(args.venv.expanduser().resolve())
-    print(python)
-    return 0
-
-
-def build(venv: Path) -> Path:
-    """The python of a ready environment at `venv`, built or rebuilt as needed."""
-    python = venv / "bin" / "python"
-    wanted = _stamp()
-    stamp = venv / STAMP
-    if python.is_file() and stamp.is_file() and json.loads(stamp.read_text()) == wanted:
-        _log(f"TRL environment at {venv} is up to date")
-        _install(python, ["--no-deps", "-e", str(REPO)])  # this checkout, not another one
-        return python
-    began = time.monotonic()
-    if not python.is_file():
-        _log(f"creating {venv}")
-        subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
-    stamp.unlink(missing_ok=True)
-    _install(python, ["--upgrade", "pip"])
+def populate(python: Path, venv: Path) -> None:
     constraints = venv / "constraints.txt"
     constraints.write_text("\n".join([TRL, *CONSTRAINTS]) + "\n")
-    _log(f"installing {TRL}, {', '.join(CONSTRAINTS)} and Miles (torch is a large download)")
-    _install(python, ["-c", str(constraints), TRL, *CONSTRAINTS, "-e", str(REPO)])
-    check = ("import sys, torch, transformers, trl, miles; "
-             "print('trl', trl.__version__, 'torch', torch.__version__, 'transformers', "
-             "transformers.__version__, file=sys.stderr)")
-    subprocess.run([str(python), "-c", check], check=True)  # stdout carries only the python
-    stamp.write_text(json.dumps(wanted))
-    _log(f"built in {time.monotonic() - began:.0f} s")
-    return python
+    ENV.log(f"installing {TRL}, {', '.join(CONSTRAINTS)} and Miles (torch is a large download)")
+    install(python, ["-c", str(constraints), TRL, *CONSTRAINTS, "-e", str(REPO)])
 
 
-def _install(python: Path, args: list[str]) -> None:
-    subprocess.run([str(python), "-m", "pip", "install", "-q", *args], check=True)
-
-
-def _stamp() -> dict[str, object]:
-    """What the environment is built from; a change rebuilds it."""
-    pyproject = hashlib.sha256((REPO / "pyproject.toml").read_bytes()).hexdigest()
-    return {"trl": TRL, "constraints": list(CONSTRAINTS), "pyproject": pyproject,
-            "python": sys.version.split()[0]}
-
-
-def _log(message: str) -> None:
-    print(f"[trl-env] {message}", file=sys.stderr, flush=True)
+ENV = SideEnv(label="TRL", tag="trl-env", stamp_name=STAMP,
+              stamp={"trl": TRL, "constraints": list(CONSTRAINTS)}, populate=populate,
+              check="import sys, torch, transformers, trl, miles; print('trl', trl.__version__, "
+                    "'torch', torch.__version__, 'transformers', transformers.__version__, "
+                    "file=sys.stderr)")
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(cli(ENV, DEFAULT_VENV, "MILES_TRL_ENV", __doc__))

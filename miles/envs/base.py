@@ -26,7 +26,7 @@ from types import MappingProxyType
 from typing import Any, ClassVar, Union
 
 from miles.errors import EnvError
-from miles.tasks.messages import MESSAGE_ROLES
+from miles.tasks.messages import check_messages
 from miles.tasks.rewards import Scorer
 
 Message = Mapping[str, str]
@@ -47,20 +47,18 @@ def _frozen(mapping: Mapping[str, Any], what: str) -> Mapping[str, Any]:
 
 
 def checked_observation(value: object, what: str) -> Observation:
-    """`value` as a str or a tuple of read-only messages; EnvError naming `what` if neither."""
+    """`value` as a str or a tuple of read-only messages (`check_messages`: the checks a
+    dataset's and the wire's conversations get); EnvError naming `what` if neither."""
     if isinstance(value, str):
         return value
     if not isinstance(value, Sequence) or not value:
         raise EnvError(f"{what} must be a string or a non-empty sequence of messages, "
                        f"got {type(value).__name__}")
-    messages = []
-    for index, message in enumerate(value):
-        if not (isinstance(message, Mapping) and isinstance(message.get("content"), str)
-                and message.get("role") in MESSAGE_ROLES):
-            raise EnvError(f"{what}[{index}] must be a mapping with a role in {MESSAGE_ROLES} "
-                           f"and a string content, got {message!r}")
-        messages.append(MappingProxyType(dict(message)))
-    return tuple(messages)
+    try:
+        messages = check_messages(value)
+    except ValueError as err:
+        raise EnvError(f"{what} {err}") from None
+    return tuple(MappingProxyType(message) for message in messages)
 
 
 @dataclass(frozen=True)

@@ -28,8 +28,8 @@ def test_task_accepts_text_or_messages_and_freezes_them():
 @pytest.mark.parametrize("prompt, message", [
     (3, "Task.prompt must be a string or a non-empty sequence"),
     ([], "Task.prompt must be a string or a non-empty sequence"),
-    ([{"role": "robot", "content": "hi"}], r"Task.prompt\[0\] must be a mapping with a role"),
-    ([{"role": "user"}], r"Task.prompt\[0\] must be a mapping"),
+    ([{"role": "robot", "content": "hi"}], r"Task.prompt message 0 must be a mapping with a role"),
+    ([{"role": "user"}], r"Task.prompt message 0 must be a mapping"),
 ])
 def test_task_rejects_malformed_prompts(prompt, message):
     with pytest.raises(EnvError, match=message):
