@@ -34,16 +34,17 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
+from types import SimpleNamespace
 
 from miles.bus import open_bus
 from miles.bus.security import KafkaSecurity
 from miles.config import log_config
-from miles.engines.base import LoraSettings, RolloutEngine
+from miles.engines.base import MAX_STOP_STRINGS, LoraSettings, RolloutEngine
 from miles.engines.hf import HFEngine
 from miles.engines.vllm_engine import VLLMEngineSettings
 from miles.engines.vllm_server import VLLMServerSettings
 from miles.envs import EnvironmentFactory, SandboxLimits, ToolSettings, load_environment
-from miles.episodes import EpisodeSettings
+from miles.episodes import EpisodeSettings, check_stop_strings
 from miles.errors import ConfigError, MilesError
 from miles.evaluation import EpisodeEval, Evaluator
 from miles.feeder import feed
@@ -224,12 +225,23 @@ async def check_door(config: RunConfig) -> None:
         except ConfigError as err:
             raise ConfigError(f"prompts: {err} (the field names are {fields})") from None
     scorer = resolve_reward(config.reward, timeout_s=config.reward_timeout_s)
-    environment(config, scorer)
+    factory = environment(config, scorer)
+    if factory is not None:  # the count only: the tokenizer comes with the engine
+        check_stop_strings(engine_kind(config.engine), factory)
     try:
         async with open_bus(bus_url(config), config.kafka):
             pass
     except MilesError as err:
         raise ConfigError(f"bus: {config.bus} cannot be reached: {err}") from None
+
+
+def engine_kind(name: str) -> SimpleNamespace:
+    """What the door knows of engine `name` before it is built: how many stop strings one
+    request may carry (a vLLM server takes 4)."""
+    from miles.engines.vllm_server import VLLMServerEngine
+
+    limit = VLLMServerEngine.max_stop_strings if name == "vllm-server" else MAX_STOP_STRINGS
+    return SimpleNamespace(name=name, max_stop_strings=limit)
 
 
 def _check_model(path: Path) -> None:

@@ -70,3 +70,10 @@ def test_the_door_comes_before_any_model_loads(tmp_path, model_dir, monkeypatch)
     monkeypatch.setattr(run_module, "HFEngine", no_model)
     with pytest.raises(ConfigError, match="^reward"):
         main_run(config_of(tmp_path, model_dir, "reward=no_such_module:score"))
+
+
+def test_an_environment_with_more_stop_strings_than_the_engine_takes(tmp_path, model_dir):
+    five = config_of(tmp_path, model_dir, "env=tests.envs:FiveStops", "engine=vllm-server")
+    message = door_error(five)
+    assert "FiveStops" in message and "5 stop strings" in message and "vllm-server" in message
+    asyncio.run(check_door(config_of(tmp_path, model_dir, "env=tests.envs:FiveStops")))  # hf: 16
