@@ -104,6 +104,7 @@ def producer_status(beats: list[Heartbeat], now: float, stale_s: float) -> dict:
             else None,
             "stream": {key: count(last, key) for key in STREAM_METRICS
                        if count(last, key) is not None},
+            "refused": {key: count(last, key) for key in REFUSED_PROMPTS if count(last, key)},
             **liveness(beats, now, stale_s)}
 
 
@@ -195,6 +196,9 @@ async def consumer_lag(bus: Bus, run: str,
 STREAM_METRICS = ("busy_fraction", "generated_tokens_per_s", "in_flight_groups",
                   "mixed_sample_share", "tokens_wasted", "restarted_groups",
                   "first_token_after_version_s", "length_p50", "length_p90", "length_max")
+# prompts a producer dead-lettered instead of generating (longer than the engine's context or
+# refused by it; undecodable or invalid)
+REFUSED_PROMPTS = ("rejected_prompts", "bad_prompts")
 PRODUCER_COLUMNS = ("producer", "engine", "version", "in_flight", "tokens/s", "groups/s",
                     "groups", "state", "seen")
 
@@ -215,6 +219,8 @@ def format_status(status: dict) -> str:
     lines.extend(f"  {p['id']}: streaming " + ", ".join(f"{k} {v:g}"
                                                        for k, v in p["stream"].items())
                  for p in producers if p["stream"])
+    lines.extend(f"  {p['id']}: prompts dead-lettered: " + ", ".join(
+        f"{k} {v:g}" for k, v in p["refused"].items()) for p in producers if p["refused"])
     lines.extend(_trainer_lines(status["trainer"]))
     lines.append("consumer lag (end - committed offset):")
     for group, topics in status["consumer_lag"].items():

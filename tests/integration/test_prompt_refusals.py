@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import asyncio
 
+import time
+
 import numpy as np
 import pytest
 
@@ -22,6 +24,7 @@ from miles.engines.vllm_server import VLLMServerEngine
 from miles.protocol import DeadLetter, Heartbeat, PromptTask, TrajectoryGroup, decode, encode
 from miles.protocol.topics import run_topics, topic_name
 from miles.rl.sampling import SamplingParams
+from miles.status import format_status, producer_status
 from miles.rollout import RolloutConfig, RolloutWorker
 from miles.tasks.rewards import Scorer
 from tests.factories import tokenizer_folder
@@ -94,6 +97,12 @@ def check_rejected(out: dict, rejected: dict[str, str], published: int, fed: int
         assert decode(letter.payload, PromptTask).task_id in rejected
         assert rejected[decode(letter.payload, PromptTask).task_id] in letter.reason
     assert [b.extra["rejected_prompts"] for b in out["status"]][-1] == len(rejected)
+    row = producer_status(out["status"], time.time(), stale_s=60)
+    assert row["refused"] == {"rejected_prompts": len(rejected)}
+    shown = format_status({"time": time.time(), "run": "r", "window_s": 60, "producers": [row],
+                           "trainer": None, "consumer_lag": {}, "records": {},
+                           "dlq_records": len(rejected), "invalid_heartbeats": 0})
+    assert f"prompts dead-lettered: rejected_prompts {len(rejected)}" in shown
 
 
 @pytest.mark.parametrize("max_in_flight", [0, 2])

@@ -75,12 +75,12 @@ async def test_collect_status_reads_back_the_run(bus, run):
     assert status["producers"] == [
         {"id": "producer-0", "engine": "hf", "policy_version": 3, "in_flight": 2,
          "tokens_per_s": 400.0, "groups_per_s": 2.0, "groups": 30, "paused": False,
-         "weight_errors": None, "last_error": None, "waiting": None, "stream": {}, "age_s": 2.0,
-         "live": True},
+         "weight_errors": None, "last_error": None, "waiting": None, "stream": {},
+         "refused": {}, "age_s": 2.0, "live": True},
         {"id": "producer-1", "engine": "hf", "policy_version": 3, "in_flight": 2,
          "tokens_per_s": 1234.5, "groups_per_s": None, "groups": 7, "paused": True,
          "weight_errors": None, "last_error": "version 3: sha256 mismatch", "waiting": None,
-         "stream": {}, "age_s": 40.0, "live": False},
+         "stream": {}, "refused": {}, "age_s": 40.0, "live": False},
     ]
     assert status["trainer"] == {
         "id": "trainer-x", "policy_version": 9, "step": 9, "steps_per_s": 0.4,
