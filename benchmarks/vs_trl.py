@@ -146,7 +146,7 @@ def _affinity(cpus: list[int] | None):
 
 def warm_start_dir(python: Path) -> Path:
     """The demo's warm start (built and cached on first use), found by the runs' python."""
-    code = ("from miles.demo import DemoConfig; from miles.run import warm_start; "
+    code = ("from miles.demo import DemoConfig; from miles.warm_start import warm_start; "
             "print(warm_start(DemoConfig()))")
     result = subprocess.run([str(python), "-c", code], check=True, capture_output=True,
                             text=True, cwd=REPO)

@@ -9,7 +9,7 @@ the daemons through their settings), under out_dir/trackers unless `trackers.dir
 
 Multi-turn (`env`, `miles demo --env multiplication`): the producer plays episodes through the
 environment (both buses; the daemons' settings carry `env` and `episodes`), the warm start is
-the task's format pairs (`miles.run.WARM_STARTS`), and held-out success is one greedy episode
+the task's format pairs (`miles.warm_start.WARM_STARTS`), and held-out success is one greedy episode
 per problem through the same environment (`miles.evaluation.EpisodeEval`).
 """
 

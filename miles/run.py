@@ -24,15 +24,12 @@ trained twice or skipped (`out_dir/run.json` names the run and what was fed).
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import json
-import logging
-import re
 import shutil
 import time
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -52,15 +49,15 @@ from miles.protocol.topics import run_topics, topic_name
 from miles.rl.sampling import SamplingParams
 from miles.rollout import RolloutConfig, RolloutWorker, episode_extras
 from miles.run_daemons import daemon_settings, run_processes
+from miles.run_record import begin, bus_url, save_record, with_run_name
 from miles.run_watch import RunWatch
 from miles.service import configure_logging, run_service
-from miles.sft import SFTConfig, supervised_warm_start, teacher_forced_probe
+from miles.sft import SFTConfig
 from miles.tasks.arithmetic import Problem
-from miles.tasks.datasets import BUILT_IN, DatasetFormat, load_problems
-from miles.tasks.multiplication import warm_start_problems
+from miles.tasks.datasets import DatasetFormat, load_problems
 from miles.tasks.rewards import Scorer, resolve_reward
-from miles.tasks.tiny_model import build_tiny_model
 from miles.trackers import TrackerSettings, Trackers, open_trackers
+from miles.warm_start import warm_start
 from miles.trainer.learner import Learner, LearnerConfig
 from miles.trainer.loop import LoopConfig, TrainerLoop
 from miles.trainer.runner import StepRunner
@@ -69,16 +66,6 @@ from miles.weights.signing import PUBLIC_KEY_FILE, ensure_key_pair
 from miles.weights.store import base_model_id
 from producers.rollout import ENGINES, build_engine
 
-log = logging.getLogger(__name__)
-CACHE = Path.home() / ".cache" / "miles" / "demo"
-RUN_FILE = "run.json"
-WARM_STARTS: dict[tuple[str, str], Callable[[list[Problem]], list[Problem]]] = {
-    ("multiplication", "calculator"): warm_start_problems,
-}
-"""(task, env) -> the supervised pairs that teach the environment's format to the task's
-training problems; any other pair is warmed up on the problems' answers (single-turn)."""
-PROBE_PROBLEMS = 200  # training problems held back from the SFT to measure its success
-CHAT_TASKS = ("multiplication",)  # tasks whose episodes need the tag characters (chat tokenizer)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -177,40 +164,6 @@ def run_trackers(config: RunConfig, role: str) -> Trackers:
     """The tracker run of one of this process's parts (`role`); the caller closes it."""
     return open_trackers(config.trackers, role=role, run=config.run,
                          default_dir=config.out_dir / "trackers", config=config)
-
-
-def warm_start(config: RunConfig, should_stop: Callable[[], bool] = lambda: False) -> Path:
-    """The model RL starts from: the user's, or the cached tiny model after `miles sft` on the
-    task's warm-start pairs (`WARM_STARTS`), cached by the SFT settings, task and format. With
-    `sft.stop_at_success` the first `PROBE_PROBLEMS` training problems are held back from the
-    SFT and probed (`teacher_forced_probe`: every pair of a problem reproduced) until that
-    share of them succeeds. Blocking; StoppedError once `should_stop()`."""
-    if config.model_dir is not None:
-        return Path(config.model_dir)
-    task = config.prompts if config.prompts in BUILT_IN else "arithmetic"
-    pairs = WARM_STARTS.get((task, config.env))
-    chat = task in CHAT_TASKS or bool(config.env)  # an environment's tags need '<', '>', '_'
-    keyed = {**asdict(config.sft), "task": task}
-    if pairs is not None or chat:  # the arithmetic demos keep their cache key
-        keyed |= {"env": config.env if pairs is not None else "", "chat": chat}
-    key = hashlib.sha256(json.dumps(keyed, sort_keys=True).encode()).hexdigest()[:12]
-    sft_dir = CACHE / f"sft-{key}"
-    if (sft_dir / "config.json").exists():
-        return sft_dir
-    base = build_tiny_model(CACHE / ("base-chat" if chat else "base"), chat=chat)
-    log.info("building the supervised warm start in %s", sft_dir)
-    examples = pairs or (lambda problems: problems)
-    problems = load_problems(task, "train")
-    probe = None
-    if config.sft.stop_at_success > 0:
-        probe = teacher_forced_probe([examples([p]) for p in problems[:PROBE_PROBLEMS]])
-        problems = problems[PROBE_PROBLEMS:]
-    staging = sft_dir.with_name(sft_dir.name + ".tmp")
-    shutil.rmtree(staging, ignore_errors=True)
-    supervised_warm_start(base, staging, examples(problems), config.sft, probe=probe,
-                          should_stop=should_stop)
-    staging.rename(sft_dir)
-    return sft_dir
 
 
 async def check_door(config: RunConfig) -> None:
@@ -319,47 +272,6 @@ async def run_embedded(config: RunConfig, model_dir: Path, evaluator: Evaluator,
             "episodes": episode_extras(counts) if config.env else {}}
 
 
-def bus_url(config: RunConfig) -> str:
-    """The embedded bus is durable, in out_dir/bus, so a killed run can resume."""
-    return f"embedded://{config.out_dir.resolve() / 'bus'}" if config.embedded else config.bus
-
-
-def begin(config: RunConfig, *, resume: bool, fresh: bool) -> dict:
-    """The run's record in `out_dir/run.json`: a new one (refused where a run already is, unless
-    `fresh` wipes it, as the demo does), or with `resume` the killed run's."""
-    path = config.out_dir / RUN_FILE
-    if resume:
-        if not path.exists():
-            raise ConfigError(f"--resume: {config.out_dir} holds no run to resume ({RUN_FILE} "
-                              "is missing); start one without --resume")
-        record = json.loads(path.read_text())
-        if record["bus"] != bus_url(config) or record["run"] != config.run:
-            raise ConfigError(f"--resume: {config.out_dir} holds run {record['run']!r} on "
-                              f"{record['bus']}, not {config.run!r} on {bus_url(config)}")
-        return record
-    if path.exists() and not fresh:
-        raise ConfigError(f"{config.out_dir} already holds run {json.loads(path.read_text())['run']!r}: "
-                          "continue it with --resume, or choose another out_dir")
-    fresh_out_dir(config.out_dir)
-    record = {"run": config.run, "bus": bus_url(config), "fed": 0, "initial_accuracy": None}
-    path.write_text(json.dumps(record))
-    return record
-
-
-def fresh_out_dir(out_dir: Path) -> None:
-    """Drop what an earlier run left in `out_dir`."""
-    out_dir.mkdir(parents=True, exist_ok=True)
-    for name in ("checkpoints", "weights", "bus", "policy"):
-        shutil.rmtree(out_dir / name, ignore_errors=True)
-    for name in ("metrics.jsonl", "ledger.jsonl", "samples.jsonl", "report.json", "curves.png",
-                 "evaluation.jsonl", RUN_FILE):
-        (out_dir / name).unlink(missing_ok=True)
-
-
-def save_record(config: RunConfig, record: dict) -> None:
-    (config.out_dir / RUN_FILE).write_text(json.dumps(record))
-
-
 async def feed_once(bus, config: RunConfig, record: dict) -> None:
     """Feed the training prompts; after a kill, only those the killed run had not yet fed (the
     feed is deterministic: `epochs` passes shuffled with `seed`)."""
@@ -438,20 +350,6 @@ class StepBar:
 
     def __exit__(self, *exc: object) -> None:
         self.bar.close()
-
-
-def with_run_name(config: RunConfig, *, resume: bool = False) -> RunConfig:
-    """The run's topic name: `run` if set, else the resumed run's, else the out_dir's name (on
-    Kafka, whose topics outlive a run, with the UTC time, so a new run starts clean)."""
-    if config.run:
-        return config
-    path = config.out_dir / RUN_FILE
-    if resume and path.exists():
-        return replace(config, run=json.loads(path.read_text())["run"])
-    name = re.sub(r"[^A-Za-z0-9._-]", "-", config.out_dir.resolve().name) or "run"
-    if not config.embedded:
-        name += time.strftime("-%Y%m%d-%H%M%S", time.gmtime())
-    return replace(config, run=name)
 
 
 def finish(config: RunConfig, report: dict) -> dict:

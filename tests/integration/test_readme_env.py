@@ -90,10 +90,11 @@ def test_a_run_with_an_environment_warms_up_the_chat_tokenizer(tmp_path, monkeyp
     """The built-in tiny model of a run with a user environment has the tags' characters."""
     from transformers import AutoTokenizer
 
-    import miles.run
-    from miles.run import RunConfig, warm_start
+    import miles.warm_start
+    from miles.run import RunConfig
+    from miles.warm_start import warm_start
 
-    monkeypatch.setattr(miles.run, "CACHE", tmp_path)
+    monkeypatch.setattr(miles.warm_start, "CACHE", tmp_path)
     config = RunConfig(env="examples.envs.word_lengths:WordLengths",
                        prompts=str(ROOT / "examples/envs/words.jsonl"),
                        sft=SFTConfig(steps=1, batch_size=2, warmup_steps=1))

@@ -11,11 +11,11 @@ from dataclasses import asdict, replace
 import pytest
 from transformers import AutoTokenizer
 
-from miles import run
+from miles import warm_start as warm
 from miles.config import load_with_preset
 from miles.errors import ConfigError
 from miles.demo import DemoConfig, env_overrides
-from miles.run import warm_start
+from miles.warm_start import warm_start
 from miles.rl.algorithm import preset_layers
 from miles.tasks.datasets import load_problems
 from miles.tasks.multiplication import warm_start_problems
@@ -50,7 +50,7 @@ def test_the_producer_batch_is_one_step_unless_set():
 def sft_calls(tmp_path, monkeypatch):
     """`warm_start` under a temporary cache, with a stand-in for the SFT that records what it
     was given."""
-    monkeypatch.setattr(run, "CACHE", tmp_path)
+    monkeypatch.setattr(warm, "CACHE", tmp_path)
     calls = []
 
     def fake_sft(base, out, problems, config, *, probe=None, should_stop=None):
@@ -59,7 +59,7 @@ def sft_calls(tmp_path, monkeypatch):
         (out / "config.json").write_text("{}")
         return out
 
-    monkeypatch.setattr(run, "supervised_warm_start", fake_sft)
+    monkeypatch.setattr(warm, "supervised_warm_start", fake_sft)
     return calls
 
 
@@ -70,7 +70,7 @@ def test_the_multiplication_warm_start_teaches_the_tool_format_with_the_env(sft_
     assert tool_dir != plain_dir
     train = load_problems("multiplication", "train")
     (tool_tokenizer, tool_pairs, _), (plain_tokenizer, plain_pairs, _) = sft_calls
-    kept = train[run.PROBE_PROBLEMS:]  # the demo stops its SFT at a success: 200 held back
+    kept = train[warm.PROBE_PROBLEMS:]  # the demo stops its SFT at a success: 200 held back
     assert tool_pairs == warm_start_problems(kept) and plain_pairs == kept
     assert "<" in tool_tokenizer.get_vocab() and "<" in plain_tokenizer.get_vocab()  # chat
     assert warm_start(with_tool) == tool_dir and len(sft_calls) == 2  # cached
@@ -99,7 +99,7 @@ def test_a_success_target_holds_problems_back_from_the_sft_to_probe_them(sft_cal
     warm_start(config)
     train = load_problems("multiplication", "train")
     (_, pairs, probe), = sft_calls
-    assert pairs == warm_start_problems(train[run.PROBE_PROBLEMS:]) and probe is not None
+    assert pairs == warm_start_problems(train[warm.PROBE_PROBLEMS:]) and probe is not None
     warm_start(replace(config, sft=replace(config.sft, stop_at_success=0.0)))
     (_, all_pairs, no_probe) = sft_calls[1]
     assert all_pairs == warm_start_problems(train) and no_probe is None
