@@ -3,29 +3,36 @@ at the door, and resuming after `kill -9` with no group judged twice or skipped.
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import signal
-import subprocess
 import time
 
 import pytest
 from transformers import AutoModelForCausalLM
 
+from miles.cli import main
 from tests.accounting import ledger
-from tests.runs import (assert_judged_once, miles_command, published_groups, start_run,
-                        write_config, write_dataset)
+from tests.runs import (assert_judged_once, published_groups, start_run, write_config,
+                        write_dataset)
 
 
-def run_cli(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
-    return subprocess.run(miles_command(*args), capture_output=True, text=True, timeout=timeout)
+def run_cli(*args: str) -> tuple[int, str]:
+    """`miles ARGS` in this process (the kill test runs it as a process): the exit code and
+    what it wrote to stderr."""
+    errors = io.StringIO()
+    with contextlib.redirect_stderr(errors):
+        code = main(list(args))
+    return code, errors.getvalue()
 
 
 def test_a_run_stops_at_max_steps_and_exports_its_policy(model_dir, tmp_path):
     dataset = write_dataset(tmp_path / "data.jsonl", 64)
     config = write_config(tmp_path / "run.toml", model_dir, tmp_path / "out", dataset,
                           max_steps=3, export_policy=True)
-    done = run_cli("run", str(config))
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    code, errors = run_cli("run", str(config))
+    assert code == 0, errors[-3000:]
     report = json.loads((tmp_path / "out" / "report.json").read_text())
     assert (report["ended_by"], report["steps"], report["policy_version"]) == ("max_steps", 3, 3)
     assert report["run"] == "out" and len(ledger(tmp_path / "out")) == 3
@@ -38,8 +45,8 @@ def test_a_run_ends_when_its_epochs_are_used_up(model_dir, tmp_path):
     dataset = write_dataset(tmp_path / "data.jsonl", 10)
     config = write_config(tmp_path / "run.toml", model_dir, tmp_path / "out", dataset,
                           epochs=2, max_staleness=4)
-    done = run_cli("run", str(config))
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    code, errors = run_cli("run", str(config))
+    assert code == 0, errors[-3000:]
     report = json.loads((tmp_path / "out" / "report.json").read_text())
     assert report["ended_by"] == "data"
     entries = ledger(tmp_path / "out")
@@ -53,12 +60,12 @@ def test_the_door_refuses_a_second_run_in_the_same_out_dir_and_a_resume_of_nothi
         model_dir, tmp_path):
     dataset = write_dataset(tmp_path / "data.jsonl", 8)
     config = write_config(tmp_path / "run.toml", model_dir, tmp_path / "out", dataset)
-    resumed = run_cli("run", str(config), "--resume")
-    assert resumed.returncode == 2 and "holds no run to resume" in resumed.stderr
+    code, errors = run_cli("run", str(config), "--resume")
+    assert code == 2 and "holds no run to resume" in errors
     (tmp_path / "out").mkdir(exist_ok=True)
     (tmp_path / "out" / "run.json").write_text(json.dumps({"run": "out", "bus": "x"}))
-    again = run_cli("run", str(config))
-    assert again.returncode == 2 and "--resume" in again.stderr
+    code, errors = run_cli("run", str(config))
+    assert code == 2 and "--resume" in errors
 
 
 @pytest.mark.slow
