@@ -48,7 +48,7 @@ from miles.feeder import feed
 from miles.protocol.topics import run_topics, topic_name
 from miles.rl.sampling import SamplingParams
 from miles.rollout import RolloutConfig, RolloutWorker, episode_extras
-from miles.run_daemons import daemon_settings, run_processes
+from miles.run_daemons import producer_settings, run_processes
 from miles.run_record import begin, bus_url, save_record, with_run_name
 from miles.run_watch import RunWatch
 from miles.service import configure_logging, run_service
@@ -224,12 +224,12 @@ def episode_eval(config: RunConfig, scorer: Scorer) -> EpisodeEval | None:
                        turn_tokens=config.sampling.max_new_tokens)
 
 
-def embedded_engine(config: RunConfig, model_dir: Path) -> RolloutEngine:
-    """An embedded producer's engine. The Hugging Face one is built here, not by the
+def embedded_engine(config: RunConfig, model_dir: Path, index: int = 0) -> RolloutEngine:
+    """Embedded producer `index`'s engine. The Hugging Face one is built here, not by the
     producer's builder, which would set torch's threads for the trainer in this process too."""
     if config.engine == "hf":
         return HFEngine(model_dir, lora=config.lora)
-    return build_engine(daemon_settings(config, model_dir)["producer"])
+    return build_engine(producer_settings(config, model_dir, index))
 
 
 async def run_embedded(config: RunConfig, model_dir: Path, evaluator: Evaluator,
@@ -238,7 +238,7 @@ async def run_embedded(config: RunConfig, model_dir: Path, evaluator: Evaluator,
     producers' engines are up)."""
     bus = evaluator.bus
     began = time.monotonic()
-    engines = [embedded_engine(config, model_dir) for _ in range(config.producers)]
+    engines = [embedded_engine(config, model_dir, i) for i in range(config.producers)]
     engine_start_s = time.monotonic() - began
     trackers = [run_trackers(config, f"producer-{i}") for i in range(config.producers)]
     trackers.append(run_trackers(config, "trainer"))

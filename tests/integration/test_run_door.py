@@ -77,3 +77,16 @@ def test_an_environment_with_more_stop_strings_than_the_engine_takes(tmp_path, m
     message = door_error(five)
     assert "FiveStops" in message and "5 stop strings" in message and "vllm-server" in message
     asyncio.run(check_door(config_of(tmp_path, model_dir, "env=tests.envs:FiveStops")))  # hf: 16
+
+
+def test_an_embedded_vllm_producer_gets_its_own_settings(tmp_path, model_dir, monkeypatch):
+    """The vLLM engines of an embedded run are built from each producer's daemon settings."""
+    built = []
+    monkeypatch.setattr(run_module, "build_engine", built.append)
+    config = config_of(tmp_path, model_dir, "engine=vllm-server", "producers=2",
+                       "vllm_server.base_url=http://127.0.0.1:9")
+    for index in range(2):
+        run_module.embedded_engine(config, model_dir, index)
+    assert [s.engine for s in built] == ["vllm-server"] * 2
+    assert [s.rollout.producer_id for s in built] == ["producer-0", "producer-1"]
+    assert built[0].vllm_server.base_url == "http://127.0.0.1:9"
