@@ -9,20 +9,17 @@ prompts (`load_problems("arithmetic", "train")`, two passes), the reward (Miles'
 the decoded completion, cut at EOS, against the answer), LoRA (`miles.engines.hf.lora_config` of
 r=16, alpha=32 on all seven projections), the learning rate and AdamW settings, 32 prompts x 8
 samples per optimizer step, 5 new tokens at temperature 1, no KL term, group-normalised
-advantages, token-mean loss, fp32, torch's default threads. Every other GRPOConfig field keeps
+advantages, token-mean loss, bf16 compute where Miles' `precision=auto` picks it (fp32 weights
+and optimizer), torch's default threads. Every other GRPOConfig field keeps
 TRL's default; `TRL_SETTINGS` lists each field set here and why (`--set` overrides any).
 
-Held-out evaluation is Miles' own: a Miles `HFEngine` on the same checkpoint with the same LoRA
-shape, `miles.evaluation.greedy_accuracy` (greedy, 8 new tokens, `exact_match`), on the first
-500 test problems at most every 10 s during training and on all 1,000 before and after. As in
-Miles (whose evaluator is a task in the training process, loading each announced version from
-the weight store), the evaluator is a thread of this process that runs concurrently with
-training: it waits `eval_every_s`, copies in the newest adapter weights the training thread
-snapshotted at the end of a step (written to a folder and loaded with `load_adapter`, as Miles'
-evaluator loads its versions), measures, and records (seconds since training began, step,
-accuracy). Its time counts in the wall clock and it competes for the same cores, as Miles'
-does. The clock starts at `on_train_begin` (model, trainer and optimizer built; Miles starts it
-once engines and learner are built) and the run stops at the first step end past the budget.
+Held-out evaluation is Miles' own and happens after the run (`heldout_curve`): a copy of
+the adapter is kept at each step's end with its second of RL; afterwards a Miles `HFEngine` on
+the same checkpoint with the same LoRA shape measures the newest copy at each point of the
+curve's grid (`miles.evaluation.greedy_accuracy`: greedy, 8 new tokens, `exact_match`, all
+1,000 test problems), as the Miles sides' versions are. The clock starts at `on_train_begin`
+(model, trainer and optimizer built; Miles starts it once engines and learner are built) and
+the run stops at the first step end past the budget.
 
 Throughput: the trainer's `_generate` is timed (a subclass that only wraps it), so each step
 splits into generation (producer tokens/s: completion tokens / generation seconds) and the rest
@@ -37,22 +34,22 @@ import asyncio
 import json
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
 
+from heldout_curve import evaluate, grid, newest_at
 from miles.engines.base import LoraSettings
 from miles.engines.hf import HFEngine, adapter_parameters, lora_config
 from miles.evaluation import greedy_accuracy
 from miles.run import RunConfig
 from miles.tasks.datasets import load_problems
 from miles.tasks.rewards import exact_match
+from miles.trainer.precision import compute_dtype
 
 DEMO = RunConfig()  # the demo's RL settings (`miles.demo.DemoConfig` adds only run bounds)
-EVAL_EVERY_S = 10.0  # DemoConfig.eval_every_s
 EPOCHS = 2  # DemoConfig.epochs
 TRL_SETTINGS: dict[str, object] = {
     "learning_rate": DEMO.learner.lr,  # TRL default 1e-6 (full fine-tuning of large models);
@@ -61,7 +58,8 @@ TRL_SETTINGS: dict[str, object] = {
     # a horizon a wall-clock budget makes arbitrary; Miles' learning rate is constant
     "gradient_checkpointing": False,  # TRL default True: recomputation that saves memory this
     # 1M-parameter model does not need; Miles runs without it
-    "bf16": False,  # TRL default True; fp32 on CPU, as Miles (precision auto = fp32 on CPU)
+    "use_cpu": True,  # TRL default False; transformers refuses bf16 on a machine without a
+    # GPU unless set (`bf16` itself is set in `settings`: Miles' auto precision on this CPU)
     "max_completion_length": DEMO.sampling.max_new_tokens,  # 512 by default; the task's 5
     "num_generations": DEMO.sampling.n,  # 8 (TRL's default too)
     "per_device_train_batch_size": DEMO.groups_per_step * DEMO.sampling.n,  # completions per
@@ -80,6 +78,13 @@ TRL_SETTINGS: dict[str, object] = {
 1.0, top_k 0; AdamW betas (0.9, 0.999), eps 1e-8, weight_decay 0; warmup 0)."""
 
 
+def auto_bf16() -> bool:
+    """GRPOConfig's `bf16` (TRL default True): kept where Miles' `learner.precision=auto`
+    computes in bf16 on this CPU (`miles.trainer.precision`: bf16 dot-product instructions, a
+    faster and close enough bf16 matmul), False elsewhere, so both sides compute alike."""
+    return compute_dtype("auto", torch.device("cpu")) == torch.bfloat16
+
+
 def parse_value(text: str) -> object:
     """A `--set` value: JSON where it parses (numbers, true/false, null), else the string."""
     try:
@@ -89,63 +94,36 @@ def parse_value(text: str) -> object:
 
 
 class HeldOut:
-    """Miles' held-out measurement of the TRL model, in a thread beside training."""
+    """Miles' held-out measurement of the TRL model: an adapter copy at each step's end (with
+    its second of RL), evaluated after the run on `heldout_curve`'s grid."""
 
-    def __init__(self, model_dir: Path, lora: LoraSettings, *, every_s: float,
-                 eval_problems: int):
+    def __init__(self, model_dir: Path, lora: LoraSettings):
         self.engine = HFEngine(model_dir, lora=lora)
         self.held_out = load_problems("arithmetic", "test")
-        self.problems = self.held_out[:eval_problems]
-        self.every_s = every_s
-        self.points: list[dict] = []
-        self.eval_seconds = 0.0
-        self._snapshot: tuple[int, dict[str, torch.Tensor]] | None = None
-        self._lock = threading.Lock()
-        self._stop = threading.Event()
+        self.snapshots: dict[int, tuple[float, dict[str, torch.Tensor]]] = {}
         self._folder = Path(tempfile.mkdtemp(prefix="trl-side-"))
         lora_config(lora).save_pretrained(self._folder)  # adapter_config.json
-        self._loaded = 0
         self.started = 0.0
 
-    def measure(self, problems=None) -> float:
-        return asyncio.run(greedy_accuracy(self.engine, problems or self.held_out))
-
-    def offer(self, step: int, adapter: dict[str, torch.nn.Parameter]) -> None:
-        """From the training thread at a step's end: a copy of the adapter (a few hundred
-        thousand floats; no model walk)."""
-        copy = {key: param.detach().to("cpu", copy=True) for key, param in adapter.items()}
-        with self._lock:
-            self._snapshot = (step, copy)
+    def measure(self) -> float:
+        return asyncio.run(greedy_accuracy(self.engine, self.held_out))
 
     def start(self) -> None:
         self.started = time.monotonic()
-        self._thread = threading.Thread(target=self._follow, name="held-out", daemon=True)
-        self._thread.start()
 
-    def stop(self) -> None:
-        self._stop.set()
-        self._thread.join()
+    def offer(self, step: int, adapter: dict[str, torch.nn.Parameter]) -> None:
+        """From the training loop at a step's end: a copy of the adapter (a few hundred
+        thousand floats; no model walk)."""
+        copy = {key: param.detach().to("cpu", copy=True) for key, param in adapter.items()}
+        self.snapshots[step] = (time.monotonic() - self.started, copy)
 
-    def load_newest(self) -> bool:
-        with self._lock:
-            snapshot = self._snapshot
-        if snapshot is None or snapshot[0] <= self._loaded:
-            return False
-        step, state = snapshot
-        save_file(state, str(self._folder / "adapter_model.safetensors"))
-        self.engine.load_adapter(self._folder, step)
-        self._loaded = step
-        return True
+    def folder(self, step: int) -> Path:
+        save_file(self.snapshots[step][1], str(self._folder / "adapter_model.safetensors"))
+        return self._folder
 
-    def _follow(self) -> None:
-        """`miles.evaluation.Evaluator.follow`'s loop: wait, load the newest, measure."""
-        while not self._stop.wait(self.every_s):
-            if self.load_newest():
-                began = time.perf_counter()
-                accuracy = self.measure(self.problems)
-                self.eval_seconds += time.perf_counter() - began
-                self.points.append({"seconds": round(time.monotonic() - self.started, 2),
-                                    "policy_version": self._loaded, "accuracy": accuracy})
+    def curve(self, seconds: float) -> list[dict]:
+        chosen = newest_at([(t, step) for step, (t, _) in self.snapshots.items()], grid(seconds))
+        return evaluate(self.engine, chosen, self.folder, "lora", self.held_out)
 
 
 def build_trainer(model_dir: Path, seconds: float, seed: int, overrides: dict, out: Path,
@@ -199,8 +177,8 @@ def build_trainer(model_dir: Path, seconds: float, seed: int, overrides: dict, o
     def exact_match_reward(completions, answer, **kwargs) -> list[float]:
         return [exact_match(text, ref) for text, ref in zip(completions, answer)]
 
-    settings = {**TRL_SETTINGS, "seed": seed, "output_dir": str(out.with_suffix("")),
-                **overrides}
+    settings = {**TRL_SETTINGS, "bf16": auto_bf16(), "seed": seed,
+                "output_dir": str(out.with_suffix("")), **overrides}
     budget = Budget()
     trainer = TimedGRPOTrainer(model=str(model_dir), reward_funcs=exact_match_reward,
                                args=GRPOConfig(**settings), train_dataset=dataset,
@@ -211,24 +189,25 @@ def build_trainer(model_dir: Path, seconds: float, seed: int, overrides: dict, o
 
 def run(model_dir: Path, seconds: float, seed: int, overrides: dict, out: Path) -> dict:
     began = time.monotonic()
-    held_out = HeldOut(model_dir, DEMO.lora, every_s=EVAL_EVERY_S,
-                       eval_problems=DEMO.eval_problems)
+    held_out = HeldOut(model_dir, DEMO.lora)
     initial = held_out.measure()
     trainer, budget, settings = build_trainer(model_dir, seconds, seed, overrides, out, held_out)
     trainer.train()
     rl_seconds = time.monotonic() - held_out.started
-    held_out.stop()
-    held_out.offer(trainer.state.global_step, budget.adapter)
-    held_out.load_newest()
+    began_eval = time.monotonic()
+    curve = held_out.curve(rl_seconds)
+    eval_seconds = time.monotonic() - began_eval
+    held_out.engine.load_adapter(held_out.folder(trainer.state.global_step),
+                                 trainer.state.global_step)
     final = held_out.measure()
     rewards = [row["reward"] for row in trainer.state.log_history if "reward" in row]
     return {
         "side": "trl", "seed": seed, "model_dir": str(model_dir),
         "initial_accuracy": initial, "final_accuracy": final,
-        "held_out_problems": len(held_out.held_out), "curve": held_out.points,
+        "held_out_problems": len(held_out.held_out), "curve": curve,
         "steps": trainer.state.global_step, "rl_seconds": round(rl_seconds, 2),
         "wall_seconds": round(time.monotonic() - began, 1),
-        "eval_seconds": round(held_out.eval_seconds, 2),
+        "eval_seconds_after": round(eval_seconds, 2),
         "generate_s": round(trainer.generate_s, 3), "generated_tokens": trainer.generated_tokens,
         "step_times": budget.steps, "reward_per_step": rewards,
         "torch_threads": torch.get_num_threads(), "settings": settings,

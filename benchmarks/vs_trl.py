@@ -43,6 +43,8 @@ TRL_PYTHON = Path(os.environ.get("MILES_TRL_ENV", Path.home() / ".cache/miles/tr
     "bin" / "python"
 TARGET_GAIN = 0.25  # the issue's "+25 points" over the warm start
 COLOURS = {"miles": "tab:blue", "miles-kafka": "tab:green", "trl": "tab:red"}
+MILES_MEASURED = ("--set", "eval_every_s=0", "--set", "keep_versions=0")  # no evaluation during
+# the run (its curve is measured afterwards from every version kept: `heldout_curve`)
 METRICS = ("seconds_to_plus_25", "final_accuracy", "gain", "steps", "steps_per_s",
            "trainer_tokens_per_s", "producer_tokens_per_s")
 
@@ -157,13 +159,20 @@ def run_miles(python: Path, side: str, seed: int, seconds: float, model_dir: Pat
               run_dir: Path, cpus: list[int] | None, sets: list[str]) -> dict:
     args = [str(python), "-m", "miles.cli", "demo", "--out", str(run_dir), "--rl-seconds",
             str(seconds), "--model-dir", str(model_dir), "--bus", bus,
-            "--set", f"seed={seed}", "--set", f"learner.seed={seed}"]
+            "--set", f"seed={seed}", "--set", f"learner.seed={seed}",
+            *MILES_MEASURED]
     for item in sets:
         args += ["--set", item]
     with open(run_dir.with_suffix(".log"), "w") as log:
         subprocess.run(args, check=True, cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
                        preexec_fn=_affinity(cpus))
+        full = any(item.replace(" ", "").lower() in ("lora=none", "lora=null") for item in sets)
+        subprocess.run([str(python), str(REPO / "benchmarks" / "heldout_curve.py"),
+                        "--model-dir", str(model_dir), "--run-dir", str(run_dir),
+                        *(["--full"] if full else [])], check=True, cwd=REPO, stdout=log,
+                       stderr=subprocess.STDOUT, preexec_fn=_affinity(cpus))
     report = json.loads((run_dir / "report.json").read_text())
+    report["curve"] = json.loads((run_dir / "heldout_curve.json").read_text())["curve"]
     metrics_path = run_dir / "metrics.jsonl"
     metrics = [json.loads(line) for line in metrics_path.read_text().splitlines() if line]
     beat = asyncio.run(last_producer_beat(report["bus"] if side == "miles-kafka" else

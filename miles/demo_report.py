@@ -44,6 +44,7 @@ def build_report(config: RunConfig, result: dict, curve: Curve, *, initial: floa
         "steps": trainer.get("step", 0),
         "policy_version": int(trainer.get("trainer/policy_version", 0)),
         "wall_seconds": round(wall_s, 1), "rl_seconds": round(rl_s, 1),
+        "rl_started_at": result["rl_started_at"],
         "ended_by": result["ended_by"],
         "warm_start_seconds": round(warm_s, 1), "engine": config.engine,
         "engine_start_seconds": round(result["engine_start_s"], 1),

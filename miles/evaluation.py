@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -146,6 +147,7 @@ class Evaluator:
         self.producer_generate_s: dict[str, float] = {}
         self.producer_extra: dict[str, dict] = {}  # each producer's newest heartbeat counters
         self.producers_seen: set[str] = set()  # ids of producers that sent a heartbeat
+        self.first_seen_at = {"producer": math.inf, "version": math.inf}  # their created_at
         self._followed = Announcements()
         self._loaded: tuple[int, int] | None = None  # lineage of the loaded weights; None: base
 
@@ -189,6 +191,8 @@ class Evaluator:
                     log.warning("evaluation ignores a trainer heartbeat: %s", why)
             elif beat.role == "producer":
                 self.producers_seen.add(beat.producer_id)
+                began = beat.extra.get("started_at", beat.created_at)  # its engine built
+                self._seen("producer", began if isinstance(began, float) else beat.created_at)
                 self.producer_extra[beat.producer_id] = dict(beat.extra)
                 if "generate_s" in beat.extra:
                     self.producer_generate_s[beat.producer_id] = float(beat.extra["generate_s"])
@@ -200,6 +204,17 @@ class Evaluator:
                     continue
                 self._followed.offer(item.value)
                 self.announced = item.value.policy_version
+                self._seen("version", item.value.created_at)
+
+    def _seen(self, kind: str, created_at: float) -> None:
+        if math.isfinite(created_at):
+            self.first_seen_at[kind] = min(self.first_seen_at[kind], created_at)
+
+    def ready_at(self) -> float:
+        """When (`time.time()`) the run could first train: the later of the first producer's
+        start (its heartbeats' `started_at`, once its engine was built) and the first announced
+        version's creation (inf until both are seen)."""
+        return max(self.first_seen_at.values())
 
     async def wait_for_version(self, version: int, stop: asyncio.Event) -> None:
         while self.announced < version and not stop.is_set():
@@ -238,7 +253,11 @@ class Evaluator:
         return True
 
     async def follow(self, stop: asyncio.Event, started: float) -> None:
-        """Measure each newer version, at most every `every_s` seconds, until `stop`."""
+        """Measure each newer version, at most every `every_s` seconds, until `stop` (0: none
+        until then)."""
+        if self.every_s <= 0:
+            await stop.wait()
+            return
         while not await wait_or_stop(stop, self.every_s):
             await self.read_topics()
             if await self.load_newest():

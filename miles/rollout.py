@@ -176,7 +176,7 @@ class RolloutWorker:
         self._waiting_since = time.monotonic()
         self._sequence = 0
         self._in_flight = 0
-        self._started = time.monotonic()
+        self._started, self._started_at = time.monotonic(), time.time()  # engine built
 
     def _topic(self, kind: str) -> str:
         return topic_name(self.config.run, kind)
@@ -537,7 +537,8 @@ class RolloutWorker:
                  "paused": self.paused,
                  "generate_s": round(self.counts["producer/generate_s"], 3),
                  "other_s": round(self.counts["producer/other_s"], 3),
-                 "load_s": round(self.counts["producer/load_s"], 3)}
+                 "load_s": round(self.counts["producer/load_s"], 3),
+                 "started_at": self._started_at}
         if self.env is not None:
             extra.update(episode_extras(self.counts))
         if self.stream is not None:

@@ -96,7 +96,7 @@ class RunConfig:
     weight_update: str = "continue"  # streaming: continue, finish or restart running samples
     fanout: bool = False  # Kafka: also run the evaluator and recorder daemons (fan-out consumers)
     max_staleness: int = 1
-    eval_every_s: float = 30.0  # held-out evaluation at most this often while training
+    eval_every_s: float = 30.0  # held-out evaluation at most this often while training (0: none)
     eval_problems: int = 500  # problems in each periodic evaluation (the final one uses all)
     sft: SFTConfig = field(default_factory=SFTConfig)  # the built-in warm start's
     lora: LoraSettings | None = field(  # None: full fine-tuning (full weights hot-loaded)
@@ -107,19 +107,21 @@ class RunConfig:
     groups_per_step: int = 32
     prompts_per_batch: int = 0  # the producer's batch (0: groups_per_step, one step's worth)
     checkpoint_every: int = 10  # steps between checkpoints (0: only at the end)
+    keep_versions: int = 16  # newest weight versions kept in out_dir/weights (0: all)
     seed: int = 0  # the prompts' shuffle
     export_policy: bool = True  # write the final policy to out_dir/policy (merged LoRA)
     trackers: TrackerSettings = field(default_factory=TrackerSettings)  # TensorBoard, W&B, MLflow
 
     def __post_init__(self) -> None:
-        for name in ("max_steps", "prompts_per_batch", "checkpoint_every"):
+        for name in ("max_steps", "prompts_per_batch", "checkpoint_every", "keep_versions"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
         for name in ("epochs", "producers", "trainer_ranks"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.max_seconds < 0:
-            raise ConfigError(f"max_seconds must be >= 0, got {self.max_seconds}")
+        for name in ("max_seconds", "eval_every_s"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.engine not in ENGINES:
             raise ConfigError(f"engine must be one of {', '.join(ENGINES)}, got {self.engine!r}")
         if self.trainer_ranks > 1 and self.embedded:
@@ -153,7 +155,8 @@ class RunConfig:
     def loop(self) -> LoopConfig:
         return LoopConfig(run=self.run, out_dir=self.out_dir, groups_per_step=self.groups_per_step,
                           max_staleness=self.max_staleness, max_steps=self.max_steps,
-                          checkpoint_every=self.checkpoint_every)
+                          checkpoint_every=self.checkpoint_every,
+                          keep_versions=self.keep_versions)
 
     def problems(self, split: str) -> list[Problem]:
         source = self.prompts if split == "train" else (self.eval_prompts or self.prompts)
@@ -249,7 +252,7 @@ async def run_embedded(config: RunConfig, model_dir: Path, evaluator: Evaluator,
     learner = Learner(model_dir, config.learner, lora=config.lora)
     trainer = TrainerLoop(bus, StepRunner(learner, config.loop(),
                                           base_model=base_model_id(model_dir)), trackers[-1])
-    started = time.monotonic()
+    started, started_at = time.monotonic(), time.time()
     try:
         async with RunWatch(bus, config.run, config.weights().public_key, on_beat) as watch, \
                 asyncio.TaskGroup() as tasks:
@@ -267,7 +270,8 @@ async def run_embedded(config: RunConfig, model_dir: Path, evaluator: Evaluator,
     counts: Counter = Counter()
     for worker in workers:
         counts.update(worker.counts)
-    return {"rl_seconds": time.monotonic() - started, "engine_start_s": engine_start_s,
+    return {"rl_seconds": time.monotonic() - started, "rl_started_at": started_at,
+            "engine_start_s": engine_start_s,
             "ended_by": ended, "generate_s": counts["producer/generate_s"],
             "episodes": episode_extras(counts) if config.env else {}}
 

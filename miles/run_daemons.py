@@ -135,7 +135,10 @@ async def run_processes(config: RunConfig, model_dir: Path, evaluator: Evaluator
                             on_beat) as watch:
             spawned = time.monotonic()
             await watch.until_started(evaluator, stop, lambda: exited(processes))
-            started = time.monotonic()
+            # the clock starts when the daemons were ready (as they sent it, not when read here);
+            # max_seconds counts from when it was read, so RL lasts at least that long
+            started_at = min(evaluator.ready_at(), time.time())
+            started = time.monotonic() - (time.time() - started_at)
             trainer_done = lambda: processes["trainer"].poll() is not None  # noqa: E731
             async with asyncio.TaskGroup() as tasks:
                 tasks.create_task(evaluator.follow(stop, started))
@@ -148,7 +151,8 @@ async def run_processes(config: RunConfig, model_dir: Path, evaluator: Evaluator
     if processes["trainer"].returncode not in (0, -signal.SIGTERM):
         raise MilesError(f"the trainer exited with code {processes['trainer'].returncode}; "
                          f"see {config.out_dir / 'trainer.log'}")
-    return {"rl_seconds": rl_seconds, "engine_start_s": started - spawned, "ended_by": ended,
+    return {"rl_seconds": rl_seconds, "rl_started_at": started_at,
+            "engine_start_s": started - spawned, "ended_by": ended,
             "generate_s": sum(evaluator.producer_generate_s.values()),
             "episodes": producers_episodes(evaluator.producer_extra) if config.env else {}}
 

@@ -196,17 +196,23 @@ def group_rows(group: TrajectoryGroup, rewards: torch.Tensor, advantages: torch.
 
 def first_fit(rows: list[_Row], width: int) -> list[list[_Row]]:
     """`rows` (longest first) placed into lines of at most `width` tokens, each into the first
-    line with room."""
+    line with room. Only lines with room for the shortest row are searched (in order), so rows
+    that fill their lines cost no search."""
     lines: list[list[_Row]] = []
     loads: list[int] = []
+    shortest = rows[-1].length if rows else 0
+    open_lines: list[int] = []  # lines that can still take the shortest row, in order
     for row in rows:
-        into = next((i for i, load in enumerate(loads) if load + row.length <= width), None)
+        into = next((i for i in open_lines if loads[i] + row.length <= width), None)
         if into is None:
             lines.append([])
             loads.append(0)
             into = len(lines) - 1
+            open_lines.append(into)
         lines[into].append(row)
         loads[into] += row.length
+        if loads[into] + shortest > width:
+            open_lines.remove(into)
     return lines
 
 

@@ -59,10 +59,11 @@ from miles.trainer import critic, distributed
 from miles.trainer.batching import (MicroBatch, idle_micro_batch, make_micro_batches,
                                     max_new_tokens, outcome_advantages)
 from miles.trainer.kl_penalty import KLPenalty
-from miles.trainer.model import (PRECISIONS, LoraSettings, apply_fsdp, compute_dtype,
+from miles.trainer.model import (PRECISIONS, LoraSettings, apply_fsdp,
                                  enable_activation_checkpointing, export_adapter, export_full,
                                  fsdp_policies, load_policy, materialise_sharded,
                                  packing_supported, trainable_names)
+from miles.trainer.precision import compute_dtype
 from miles.trainer.reduction import add_metrics, finite_losses, reduce_step
 from miles.trainer.scoring import LOGPROB_FLOOR, Prepared, Scorer, evaluating, prepare
 from miles.trainer.snapshot import Snapshot
@@ -98,7 +99,8 @@ class LearnerConfig:
     activation_checkpointing: bool = False  # recompute block activations in backward (memory)
     compile: bool = False  # torch.compile each decoder block of the trained model(s)
     sharded_load: bool = False  # build on the meta device, read only this rank's weight slices
-    precision: str = "auto"  # compute dtype: auto (bf16 on CUDA, fp32 on CPU), bf16 or fp32;
+    precision: str = "auto"  # compute dtype: auto (bf16 on CUDA and on CPUs where it is faster
+    # and close enough, `miles.trainer.precision`; else fp32), bf16 or fp32;
     # trained weights, gradient reduction and optimizer state stay fp32, frozen weights (LoRA's
     # base, the reference copy) are stored in the compute dtype
     cpu_offload: bool = False  # keep sharded weights, grads and optimizer state in host memory

@@ -310,7 +310,7 @@ def trainer_plan(*, lora: LoraSettings | None, learner) -> Plan:
     """The `Plan` of a learner (`LearnerConfig`) over torchrun's WORLD_SIZE ranks."""
     import torch
 
-    from miles.trainer.model import compute_dtype
+    from miles.trainer.precision import compute_dtype
 
     algorithm = learner.algorithm
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")

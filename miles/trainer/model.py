@@ -22,6 +22,7 @@ Simplifications:
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -29,6 +30,7 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.fsdp import (CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy,
                                     fully_shard)
+from torch.distributed.tensor import DTensor
 
 from miles.engines.base import LoraSettings  # shared with the engines: one adapter shape
 from miles.errors import ConfigError, MilesError
@@ -37,15 +39,8 @@ from miles.trainer import distributed
 ADAPTER_NAME = "default"
 PRECISIONS = ("auto", "fp32", "bf16")
 """learner.precision: "bf16" computes in bf16 (fp32 master weights and gradient reduction),
-"fp32" in fp32, "auto" in bf16 on CUDA and fp32 elsewhere (on CPUs bf16 speed depends on the
-CPU's bf16 support). Frozen weights are stored in the compute dtype."""
-
-
-def compute_dtype(precision: str, device: torch.device) -> torch.dtype:
-    """The dtype forward and backward run in under `precision` (one of PRECISIONS, checked by
-    `LearnerConfig`) on `device`."""
-    bf16 = precision == "bf16" or (precision == "auto" and device.type == "cuda")
-    return torch.bfloat16 if bf16 else torch.float32
+"fp32" in fp32, "auto" in bf16 on CUDA and on CPUs where bf16 is faster and close enough
+(`miles.trainer.precision`), fp32 elsewhere. Frozen weights are stored in the compute dtype."""
 
 
 def fsdp_policies(dtype: torch.dtype, *, cpu_offload: bool, device: torch.device) -> dict:
@@ -213,20 +208,36 @@ def export_full(model: nn.Module, out_dir: str | Path) -> Path | None:
 
 
 def export_adapter(model: nn.Module, out_dir: str | Path) -> Path | None:
-    """Write the LoRA adapter as peft does (`adapter_model.safetensors`, `adapter_config.json`).
+    """Write the LoRA adapter as peft does (`adapter_model.safetensors`, `adapter_config.json`;
+    peft's model card is left out).
 
     A collective: every rank must call it; the full (unsharded) adapter is gathered to CPU and
     rank 0 writes it. Returns `out_dir` on rank 0, None elsewhere.
     """
+    from peft import get_peft_model_state_dict
+    from safetensors.torch import save_file
+
     if not hasattr(model, "peft_config"):
         raise MilesError("export_adapter needs a LoRA (peft) model; this one is fully trained")
-    names = trainable_names(model)
-    options = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=True)
-    full = get_model_state_dict(model, options=options)  # collective: all-gathers the shards
+    trained = gathered_trainable(model)
     if not distributed.is_main():
         return None
-    adapter = {name: tensor for name, tensor in full.items() if name in names}
+    adapter = get_peft_model_state_dict(model, state_dict=trained, adapter_name=ADAPTER_NAME,
+                                        save_embedding_layers=False)
     out_dir = Path(out_dir)
-    model.save_pretrained(out_dir, state_dict=adapter, save_embedding_layers=False,
-                          selected_adapters=[ADAPTER_NAME])
+    out_dir.mkdir(parents=True, exist_ok=True)
+    save_file({name: tensor.contiguous() for name, tensor in adapter.items()},
+              str(out_dir / "adapter_model.safetensors"), metadata={"format": "pt"})
+    replace(model.peft_config[ADAPTER_NAME], inference_mode=True).save_pretrained(str(out_dir))
     return out_dir
+
+
+def gathered_trainable(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The trained parameters, whole, on the CPU. A collective: each sharded parameter is
+    all-gathered, in the same order on every rank."""
+    out = {}
+    for name, param in model.named_parameters():
+        if param.requires_grad:
+            whole = param.full_tensor() if isinstance(param, DTensor) else param
+            out[name] = whole.detach().to("cpu", copy=True)
+    return out

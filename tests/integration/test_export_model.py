@@ -26,7 +26,7 @@ def _process_group():
 
 def trained_store(model_dir, store, lora):
     """A store with versions 1 and 2 of a learner; the logits of version 2."""
-    learner = Learner(model_dir, LearnerConfig(lr=1e-2, seed=0), lora=lora)
+    learner = Learner(model_dir, LearnerConfig(lr=1e-2, seed=0, precision="fp32"), lora=lora)
     for version in (1, 2):
         learner.train_step([make_group(4, 6, vocab_size=78, seed=s + version) for s in range(3)])
         learner.export_weights(version_dir(store, version))

@@ -22,7 +22,8 @@ from tests.factories import make_group, make_sample
 
 VOCAB = 78  # the tiny character tokenizer
 LORA = LoraSettings(r=4, alpha=8)
-CONFIG = LearnerConfig(lr=1e-3, max_tokens_per_micro_batch=64, seed=0)
+CONFIG = LearnerConfig(lr=1e-3, max_tokens_per_micro_batch=64, seed=0,
+                       precision="fp32")  # exact comparisons with engines (auto: bf16 on some CPUs)
 SAMPLING = {"temperature": 0.8, "top_p": 0.95, "top_k": 20, "max_new_tokens": 6}
 METRIC_KEYS = {"trainer/loss", "trainer/clip_frac", "trainer/kl_behaviour",
                "trainer/is_weight_mean", "trainer/is_weight_max", "trainer/is_truncated_frac",

@@ -29,6 +29,8 @@ def _process_group():
 
 
 def step(model_dir, lora=LORA, **options) -> tuple[dict, dict[str, torch.Tensor]]:
+    """One step; fp32 unless `precision` is given ("auto" is bf16 on some CPUs)."""
+    options = {"precision": "fp32", **options}
     learner = Learner(model_dir, LearnerConfig(lr=1e-3, seed=0, **options), lora=lora)
     groups = [make_group(4, 6, vocab_size=VOCAB, seed=s) for s in range(3)]
     metrics = learner.train_step(groups)
@@ -67,10 +69,11 @@ def test_cpu_offload_gives_the_same_step(model_dir, lora, sharded_load):
 def test_bf16_mixed_precision_keeps_fp32_weights_and_takes_a_close_step(model_dir, lora, algo):
     from miles.config import build
     from miles.rl.algorithm import AlgorithmConfig, preset
+    from miles.trainer.precision import cpu_bf16_verdict
 
     algorithm = build(AlgorithmConfig, {**preset(algo), "ppo_epochs": 1})  # one Adam update
     auto = Learner(model_dir, LearnerConfig(algorithm=algorithm), lora=lora)
-    assert auto.dtype == torch.float32  # "auto" on a CPU
+    assert auto.dtype == (torch.bfloat16 if cpu_bf16_verdict().bf16 else torch.float32)
     distributed.destroy()
     plain, before = step(model_dir, lora, algorithm=algorithm)
     mixed, after = step(model_dir, lora, algorithm=algorithm, precision="bf16")

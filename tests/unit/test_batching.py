@@ -194,3 +194,28 @@ def test_token_rewards_align_with_the_response_mask_padded_and_packed():
     group.samples[:] = [single]  # no sample with token rewards: none to carry
     assert make_micro_batches([group], max_tokens=100, pad_id=PAD)[0].token_rewards is None
     assert idle_micro_batch().token_rewards is None
+
+
+def naive_first_fit(lengths: list[int], width: int) -> list[list[int]]:
+    """First fit as defined: each row into the first line with room, searching every line."""
+    lines: list[list[int]] = []
+    for n in lengths:
+        into = next((line for line in lines if sum(line) + n <= width), None)
+        if into is None:
+            lines.append(into := [])
+        into.append(n)
+    return lines
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_first_fit_places_rows_as_first_fit_does(seed):
+    from types import SimpleNamespace
+
+    from miles.trainer.batching import first_fit
+
+    rng = np.random.default_rng(seed)
+    lengths = sorted(rng.integers(1, 40, size=int(rng.integers(1, 120))).tolist(), reverse=True)
+    rows = [SimpleNamespace(length=n) for n in lengths]
+    lines = first_fit(rows, lengths[0])
+    assert [[row.length for row in line] for line in lines] == \
+        naive_first_fit(lengths, lengths[0])

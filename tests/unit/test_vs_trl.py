@@ -1,5 +1,6 @@
 """benchmarks/vs_trl.py's pure logic (order of runs, time to target, median and range, the
-throughput rates, the table) and trl_side.py's settings against the demo's, without TRL."""
+throughput rates, the table), heldout_curve.py's grid and choice of versions, and trl_side.py's
+settings against the demo's, without TRL."""
 
 from __future__ import annotations
 
@@ -14,6 +15,10 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def load(name: str):
+    import sys
+
+    if str(REPO / "benchmarks") not in sys.path:  # trl_side imports heldout_curve, as a script
+        sys.path.insert(0, str(REPO / "benchmarks"))
     spec = importlib.util.spec_from_file_location(name, REPO / "benchmarks" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -99,9 +104,37 @@ def test_trl_settings_follow_the_demo():
     assert settings["temperature"] == demo.sampling.temperature
     assert settings["num_train_epochs"] == demo.epochs
     assert settings["max_grad_norm"] == demo.learner.grad_clip
-    assert trl_side.EVAL_EVERY_S == demo.eval_every_s
+    assert settings["use_cpu"] is True and "bf16" not in settings  # bf16: auto_bf16()
     assert trl_side.DEMO.lora == demo.lora and demo.lora is not None
     assert trl_side.DEMO.eval_problems == demo.eval_problems
     assert demo.learner.algorithm.name == "grpo" and demo.learner.algorithm.loss.kl_coef == 0
     assert [trl_side.parse_value(v) for v in ("1e-4", "true", "constant", "null")] == \
         [1e-4, True, "constant", None]
+
+
+def test_the_curve_grid_is_dense_first():
+    heldout = load("heldout_curve")
+    assert heldout.grid(4.5) == [1.0, 2.0, 3.0, 4.0]
+    points = heldout.grid(50)
+    assert points[:30] == [float(t) for t in range(1, 31)]
+    assert points[30:] == [35.0, 40.0, 45.0, 50.0]
+
+
+def test_each_point_gets_the_newest_version_made_by_then():
+    heldout = load("heldout_curve")
+    snapshots = [(1.5, 2), (0.4, 1), (2.0, 3), (2.7, 4), (6.0, 9)]  # (seconds, version)
+    assert heldout.newest_at(snapshots, [0.2, 1.0, 2.0, 3.0, 4.0, 7.0]) == \
+        [(1.0, 1), (2.0, 3), (3.0, 4), (4.0, 4), (7.0, 9)]  # none by 0.2 s: left out
+    assert heldout.newest_at([], [1.0]) == []
+
+
+def test_a_miles_runs_versions_are_timed_from_its_clock(tmp_path):
+    import json
+
+    heldout = load("heldout_curve")
+    (tmp_path / "report.json").write_text(json.dumps({"rl_started_at": 1000.0}))
+    rows = [{"step": 1, "time": 1000.8, "trainer/policy_version": 1.0},
+            {"step": 2, "time": 1001.5, "trainer/policy_version": 2.0}, {"step": 3}]
+    (tmp_path / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    assert heldout.miles_snapshots(tmp_path) == [(pytest.approx(0.8), 1),
+                                                 (pytest.approx(1.5), 2)]
