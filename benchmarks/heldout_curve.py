@@ -9,7 +9,7 @@ fixed grid (every second for the first 30 s, then every 5 s), with Miles' greedy
 resolves "time to +25 points" to a second, where an evaluator running every 10 s during the run
 could only say "by the first point" for both sides.
 
-    python benchmarks/heldout_curve.py --model-dir WARM --run-dir RUN [--lora | --full]
+    python benchmarks/heldout_curve.py --model-dir WARM --run-dir RUN
 
 (the Miles side: RUN is a `miles demo` output folder; writes RUN/heldout_curve.json).
 """
@@ -76,16 +76,25 @@ def miles_snapshots(run_dir: Path) -> list[tuple[float, int]]:
             if "trainer/policy_version" in row]
 
 
-def miles_curve(model_dir: Path, run_dir: Path, lora: bool) -> dict:
+def miles_curve(model_dir: Path, run_dir: Path) -> dict:
+    """The curve of a Miles run's kept versions (LoRA of the shape they were written with, or
+    full weights)."""
+    from miles.engines.base import LoraSettings
     from miles.engines.hf import HFEngine
-    from miles.run import RunConfig
     from miles.tasks.datasets import load_problems
 
     report = json.loads((run_dir / "report.json").read_text())
-    engine = HFEngine(model_dir, lora=RunConfig().lora if lora else None)
     chosen = newest_at(miles_snapshots(run_dir), grid(report["rl_seconds"]))
-    curve = evaluate(engine, chosen, lambda v: run_dir / "weights" / f"v{v:08d}",
-                     "lora" if lora else "full", load_problems("arithmetic", "test"))
+    folder = lambda v: run_dir / "weights" / f"v{v:08d}"  # noqa: E731
+    config = folder(chosen[0][1]) / "adapter_config.json" if chosen else None
+    lora = None
+    if config is not None and config.is_file():
+        written = json.loads(config.read_text())
+        lora = LoraSettings(r=written["r"], alpha=written["lora_alpha"],
+                            target_modules=tuple(sorted(written["target_modules"])))
+    engine = HFEngine(model_dir, lora=lora)
+    curve = evaluate(engine, chosen, folder, "full" if lora is None else "lora",
+                     load_problems("arithmetic", "test"))
     return {"curve": curve, "problems": 1000}
 
 
@@ -93,9 +102,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model-dir", type=Path, required=True, help="the warm start")
     parser.add_argument("--run-dir", type=Path, required=True, help="a miles demo's out dir")
-    parser.add_argument("--full", action="store_true", help="the run fine-tuned all weights")
     args = parser.parse_args(argv)
-    result = miles_curve(args.model_dir, args.run_dir, lora=not args.full)
+    result = miles_curve(args.model_dir, args.run_dir)
     (args.run_dir / "heldout_curve.json").write_text(json.dumps(result, indent=2))
     return 0
 

@@ -10,14 +10,17 @@ miles, miles-kafka, trl; seed 1: ...), so drift of a shared machine hits every s
 side starts from the same warm start (the demo's cached supervised checkpoint, built once
 before the first run) with the same budget of RL wall-clock seconds:
 
-- `miles`: `miles demo --model-dir WARM --rl-seconds S --set seed=K --set learner.seed=K`
-  (embedded bus: producer, trainer and evaluator in one process).
+- `miles`: `miles demo --model-dir WARM --rl-seconds S --set seed=K --set learner.seed=K
+  --set eval_every_s=0 --set keep_versions=0` (embedded bus: producer and trainer in one
+  process).
 - `miles-kafka`: the same with `--bus kafka://...` (producer and trainer as processes, one
   torch thread each); a broker is started in OUT/broker unless `--bus` names one.
 - `trl`: `benchmarks/trl_side.py` (its docstring lists every setting and why).
 
-Held-out accuracy is measured the same way on every side (Miles' greedy evaluation on the
-first 500 test problems at most every 10 s while training, all 1,000 before and after). Per run
+Held-out accuracy is measured the same way on every side, after the run (`heldout_curve`):
+every policy version is kept with the second of RL it was made at, and the newest one at each
+second (each 5 s after 30 s) is measured with Miles' greedy evaluation on all 1,000 test
+problems, so no evaluation runs during training on either side. Per run
 (OUT/runs/SIDE-seedK.json): the curve, seconds to warm start + 25 points (on the curve), final
 accuracy, steps, trainer tokens/s (response tokens trained per second of trainer step) and
 producer tokens/s (response tokens generated per second of generation), the load average
@@ -166,11 +169,9 @@ def run_miles(python: Path, side: str, seed: int, seconds: float, model_dir: Pat
     with open(run_dir.with_suffix(".log"), "w") as log:
         subprocess.run(args, check=True, cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
                        preexec_fn=_affinity(cpus))
-        full = any(item.replace(" ", "").lower() in ("lora=none", "lora=null") for item in sets)
         subprocess.run([str(python), str(REPO / "benchmarks" / "heldout_curve.py"),
-                        "--model-dir", str(model_dir), "--run-dir", str(run_dir),
-                        *(["--full"] if full else [])], check=True, cwd=REPO, stdout=log,
-                       stderr=subprocess.STDOUT, preexec_fn=_affinity(cpus))
+                        "--model-dir", str(model_dir), "--run-dir", str(run_dir)], check=True,
+                       cwd=REPO, stdout=log, stderr=subprocess.STDOUT, preexec_fn=_affinity(cpus))
     report = json.loads((run_dir / "report.json").read_text())
     report["curve"] = json.loads((run_dir / "heldout_curve.json").read_text())["curve"]
     metrics_path = run_dir / "metrics.jsonl"
@@ -257,7 +258,7 @@ def plot(runs: list[dict], path: Path, seconds: float) -> None:
         initial = statistics.median(run["initial_accuracy"] for run in runs)
         ax.axhline(initial + TARGET_GAIN, linestyle="--", color="grey",
                    label="warm start + 25 points")
-    ax.set(xlabel="RL wall-clock (s)", ylabel="held-out greedy accuracy (500 problems)",
+    ax.set(xlabel="RL wall-clock (s)", ylabel="held-out greedy accuracy (1,000 problems)",
            title=f"Miles vs TRL GRPOTrainer, {seconds:.0f} s budget, one line per run",
            xlim=(0, max([seconds, *(p["seconds"] for r in runs for p in r["curve"])]) * 1.05))
     ax.legend()

@@ -23,11 +23,14 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 LEVERS: dict[str, tuple[str, list[str]]] = {  # name: (side, Miles settings)
     "defaults": ("miles", []),
+    "before-issue-21": ("miles", ["learner.precision=fp32", "eval_every_s=10",
+                                  "eval_after_run=false"]),  # the demo's defaults before
     "fp32": ("miles", ["learner.precision=fp32"]),
     "kafka-processes": ("miles-kafka", []),  # producer and trainer processes, a core each
     "synchronous": ("miles", ["max_staleness=0"]),
     "staleness-2": ("miles", ["max_staleness=2"]),
-    "eval-in-run": ("miles", ["eval_every_s=10"]),  # the evaluator on the critical path
+    "eval-in-run": ("miles", ["eval_every_s=10", "eval_after_run=false"]),  # the evaluator
+    # measuring during the run, on the critical path (the demo's default until issue 21)
     "ppo-epochs-2": ("miles", ["learner.algorithm.ppo_epochs=2"]),  # updates per batch
     "groups-16": ("miles", ["groups_per_step=16"]),
     "groups-64": ("miles", ["groups_per_step=64"]),

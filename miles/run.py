@@ -98,6 +98,7 @@ class RunConfig:
     max_staleness: int = 1
     eval_every_s: float = 30.0  # held-out evaluation at most this often while training (0: none)
     eval_problems: int = 500  # problems in each periodic evaluation (the final one uses all)
+    eval_after_run: bool = False  # copy the version every eval_every_s, measure after training
     sft: SFTConfig = field(default_factory=SFTConfig)  # the built-in warm start's
     lora: LoraSettings | None = field(  # None: full fine-tuning (full weights hot-loaded)
         default_factory=lambda: LoraSettings(r=16, alpha=32))
@@ -312,7 +313,8 @@ async def train_run(config: RunConfig, stop: asyncio.Event, *, resume: bool = Fa
             evaluator = Evaluator(bus, config.run, model_dir, config.lora,
                                   held_out[:config.eval_problems], every_s=config.eval_every_s,
                                   scorer=scorer, weights=config.weights(),
-                                  episodes=episode_eval(config, scorer), trackers=evaluated)
+                                  episodes=episode_eval(config, scorer), trackers=evaluated,
+                                  after_run=config.eval_after_run)
             final = await evaluate_and_train(config, model_dir, evaluator, record, stop, on_beat)
     return build_report(config, final["result"], evaluator.curve,
                         initial=record["initial_accuracy"], final=final["accuracy"],
@@ -331,6 +333,7 @@ async def evaluate_and_train(config: RunConfig, model_dir: Path, evaluator: Eval
             save_record(config, record)
         run = run_embedded if config.embedded else run_processes
         result = await run(config, model_dir, evaluator, stop, on_beat)
+        await evaluator.measure_kept()
         await evaluator.load_final()
         return {"result": result, "accuracy": await evaluator.measure(held_out)}
 

@@ -34,6 +34,27 @@ def test_a_short_embedded_demo_writes_its_report_and_curves(model_dir, tmp_path)
     assert_tracked(tmp_path, steps=report["steps"], measured=len(report["curve"]))
 
 
+@pytest.mark.parametrize("after_run", [True, False], ids=["after-run", "during-run"])
+def test_the_curve_is_measured_after_the_run_or_during_it(model_dir, tmp_path, after_run):
+    """`eval_after_run` (the demo's default): the versions taken every `eval_every_s` are
+    measured after training, at the seconds they were taken, and no evaluation ran during RL;
+    without it the evaluator measures during the run and takes a share of its time."""
+    config = load_config(DemoConfig, env={}, overrides=[
+        f"model_dir={model_dir}", f"out_dir={tmp_path}", "max_seconds=5", "eval_every_s=1",
+        "eval_problems=16", "groups_per_step=4", "lora.r=4", "lora.alpha=8",
+        f"eval_after_run={str(after_run).lower()}"])
+    assert main_demo(config) == 0
+    report = json.loads((tmp_path / "report.json").read_text())
+    curve = report["curve"]
+    seconds, versions = [p["seconds"] for p in curve], [p["policy_version"] for p in curve]
+    assert len(curve) >= 2 and seconds == sorted(seconds) and versions == sorted(versions)
+    assert seconds[-1] <= report["rl_seconds"] + 1.0 and versions[-1] <= report["steps"]
+    if after_run:
+        assert report["fraction_evaluating"] == 0
+    else:
+        assert report["fraction_evaluating"] > 0
+
+
 def assert_tracked(out_dir, *, steps: int, measured: int) -> None:
     """The embedded trainer, producer and evaluator each logged to their TensorBoard run, and
     the trainer wrote a sample table every step."""
