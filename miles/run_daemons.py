@@ -133,11 +133,11 @@ async def run_processes(config: RunConfig, model_dir: Path, evaluator: Evaluator
     try:
         async with RunWatch(evaluator.bus, config.run, config.weights().public_key,
                             on_beat) as watch:
-            spawned = time.monotonic()
+            spawned, spawned_at = time.monotonic(), time.time()
             await watch.until_started(evaluator, stop, lambda: exited(processes))
             # the clock starts when the daemons were ready (as they sent it, not when read here);
             # max_seconds counts from when it was read, so RL lasts at least that long
-            started_at = min(evaluator.ready_at(), time.time())
+            started_at = min(max(evaluator.ready_at(), spawned_at), time.time())
             started = time.monotonic() - (time.time() - started_at)
             trainer_done = lambda: processes["trainer"].poll() is not None  # noqa: E731
             async with asyncio.TaskGroup() as tasks:
