@@ -38,6 +38,8 @@ from miles.trainer.model import LoraSettings
 from tests.factories import make_group, make_sample
 from tests.poison import good_groups, plant, poisoned
 
+FP32 = "fp32"  # rank-count equivalence is exact in fp32 ("auto" is bf16 on some CPUs)
+
 
 def fixed_groups() -> list:
     """Five groups of ragged lengths: two ranks get 3 and 2 groups, and different numbers of
@@ -75,7 +77,7 @@ def finish() -> None:
 
 
 def main(model_dir: str, out_dir: str, algo: str, resume: str | None = None) -> None:
-    config = LearnerConfig(lr=1e-3, max_tokens_per_micro_batch=40, seed=0,
+    config = LearnerConfig(lr=1e-3, max_tokens_per_micro_batch=40, seed=0, precision=FP32,
                            algorithm=build(AlgorithmConfig, preset(algo)))
     learner = Learner(model_dir, config, lora=LoraSettings(r=4, alpha=8))
     out = Path(out_dir)
@@ -140,7 +142,7 @@ def gradients(model_dir: str, out_dir: str) -> None:
         for packed in (False, True):
             for budget, max_tokens in BUDGETS.items():
                 config = LearnerConfig(max_tokens_per_micro_batch=max_tokens,
-                                       sequence_packing=packed,
+                                       sequence_packing=packed, precision=FP32,
                                        algorithm=build(AlgorithmConfig, overrides))
                 learner = Learner(model_dir, config, lora=None)
                 key = f"{case}/{'packed' if packed else 'padded'}/{budget}"
@@ -155,7 +157,8 @@ def gradients(model_dir: str, out_dir: str) -> None:
 
 
 def isolation(model_dir: str, out_dir: str) -> None:
-    learner = Learner(model_dir, LearnerConfig(lr=1e-3, max_tokens_per_micro_batch=40),
+    learner = Learner(model_dir, LearnerConfig(lr=1e-3, max_tokens_per_micro_batch=40,
+                                               precision=FP32),
                       lora=LoraSettings(r=4, alpha=8))
     plant(learner.model, "nan")
     groups = good_groups(6)

@@ -49,7 +49,7 @@ def episodes(logprobs=None):
 
 
 def build(model_dir) -> Learner:
-    config = LearnerConfig(lr=1e-3, max_tokens_per_micro_batch=256, seed=0,
+    config = LearnerConfig(lr=1e-3, max_tokens_per_micro_batch=256, seed=0, precision="fp32",
                            grad_clip=math.inf, algorithm=preset_config("grpo"))
     return Learner(model_dir, config, lora=LORA)
 
@@ -133,7 +133,8 @@ def test_ppo_gae_runs_over_policy_tokens_across_turns(model_dir, monkeypatch):
 
     algorithm = load_config(AlgorithmConfig, base={**preset("ppo"), "ppo_epochs": 1})
     learner = Learner(model_dir, LearnerConfig(lr=1e-3, seed=0, max_tokens_per_micro_batch=256,
-                                               algorithm=algorithm), lora=LORA)
+                                               precision="fp32", algorithm=algorithm),
+                      lora=LORA)
     with torch.no_grad():  # a value head that is not ~0: the bootstrap terms all matter
         learner.model.value_head.bias.fill_(0.3)
     groups = episodes()
