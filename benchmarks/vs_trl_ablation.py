@@ -41,6 +41,8 @@ LEVERS: dict[str, tuple[str, list[str]]] = {  # name: (side, Miles settings)
     "lora-r64": ("miles", ["lora.r=64", "lora.alpha=128"]),  # the same alpha / r
     "full-finetune": ("miles", ["lora=none", "learner.lr=1e-4"]),
     "padded": ("miles", ["learner.sequence_packing=false"]),
+    "train-zero-advantage": ("miles", ["learner.skip_zero_advantage=false"]),  # equal-reward
+    # groups forwarded and backpropagated for terms that are exactly 0
     "compile": ("miles", ["learner.compile=true"]),
 }
 

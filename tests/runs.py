@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 from miles.bus import open_bus
-from miles.protocol import DeadLetter, TrajectoryGroup, decode
+from miles.protocol import DeadLetter, Heartbeat, TrajectoryGroup, WeightVersion, decode
 from miles.protocol.topics import topic_name
 from miles.tasks.datasets import load_problems
 from tests.accounting import ledger
@@ -67,6 +67,17 @@ async def published_groups(bus_url: str, run: str) -> tuple[list[str], dict[str,
     lettered = {published[d.source_offset]: d.reason for d in letters
                 if d.source_topic == trajectories and d.consumer == "trainer"}
     return published, lettered
+
+
+async def ready_at(bus_url: str, run: str) -> float:
+    """When the run's daemons could first train, from what they put on the bus: the later of the
+    first producer's `started_at` (its heartbeats) and the first version's `created_at`."""
+    async with open_bus(bus_url) as bus:
+        beats = [decode(r.value) for r in await _read_topic(bus, topic_name(run, "status"))]
+        control = [decode(r.value) for r in await _read_topic(bus, topic_name(run, "control"))]
+    started = min(b.extra["started_at"] for b in beats
+                  if isinstance(b, Heartbeat) and b.role == "producer")
+    return max(started, min(v.created_at for v in control if isinstance(v, WeightVersion)))
 
 
 def assert_judged_once(out_dir: Path, published: list[str],

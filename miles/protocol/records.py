@@ -121,7 +121,7 @@ class Sample(WireRecord):
         """How many tokens the policy sampled (T without a `loss_mask`)."""
         if self.loss_mask is None:
             return len(self.response_token_ids)
-        return int(np.count_nonzero(self.loss_mask))
+        return int(np.count_nonzero(self.policy_mask))  # the mask the trainer's loss reads
 
     @property
     def policy_versions(self) -> IntArray:

@@ -103,6 +103,13 @@ class AlgorithmConfig:
     def uses_reference(self) -> bool:
         return self.loss.kl_coef > 0
 
+    @property
+    def advantage_only(self) -> bool:
+        """Every term of the loss is the sample's outcome advantage times something finite: no
+        critic, no KL and no entropy term. A sample whose advantage is 0 then adds exactly
+        nothing to the gradient (only to the normalisers)."""
+        return not self.uses_critic and self.loss.kl_coef == 0 and self.loss.entropy_coef == 0
+
 
 @dataclass(frozen=True)
 class Preset:

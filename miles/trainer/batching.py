@@ -55,6 +55,7 @@ import torch
 from miles.errors import MilesError
 from miles.protocol import Sample, TrajectoryGroup
 from miles.rl.advantages import batch_advantages
+from miles.rl.aggregation import Normalisers
 from miles.rl.algorithm import AlgorithmConfig
 
 
@@ -242,54 +243,61 @@ def pack_rows(rows: list[_Row], max_tokens: int, *, packed: bool = False
 def collate(lines: list[list[_Row]], sampling: SamplingSetting, *, pad_id: int,
             packed: bool = False) -> MicroBatch:
     """The tensors of `lines` of samples (see the module docstring): each line is one model row,
-    right-padded to the longest; a packed line's padding is a sequence of its own."""
+    right-padded to the longest; a packed line's padding is a sequence of its own. Filled as
+    numpy arrays (a slice assignment costs a fraction of a torch one), then wrapped."""
     rows = [row for line in lines for row in line]
     width = max(r.length for r in rows)  # L: the per-sample layout
-    response_mask = torch.zeros((len(rows), width - 1), dtype=torch.bool)  # [B, L-1]
-    behaviour = torch.zeros((len(rows), width - 1), dtype=torch.float32)  # [B, L-1]
-    steps = torch.zeros((len(rows), width - 1), dtype=torch.float32)  # [B, L-1]
     length = max(line_length(line) for line in lines)  # T
-    input_ids = torch.full((len(lines), length), pad_id, dtype=torch.int64)  # [R, T]
-    position_ids = torch.zeros((len(lines), length), dtype=torch.int64)  # [R, T]
-    attention_mask = torch.zeros((len(lines), length), dtype=torch.int64)  # [R, T]
-    layout = torch.zeros((len(rows), width - 1), dtype=torch.int64)  # [B, L-1]
+    count = np.arange(max(width, length))
+    response_mask = np.zeros((len(rows), width - 1), dtype=bool)  # [B, L-1]
+    behaviour = np.zeros((len(rows), width - 1), dtype=np.float32)  # [B, L-1]
+    steps = np.zeros((len(rows), width - 1), dtype=np.float32)  # [B, L-1]
+    input_ids = np.full((len(lines), length), pad_id, dtype=np.int64)  # [R, T]
+    position_ids = np.zeros((len(lines), length), dtype=np.int64)  # [R, T]
+    attention_mask = np.zeros((len(lines), length), dtype=np.int64)  # [R, T]
+    layout = np.zeros((len(rows), width - 1), dtype=np.int64)  # [B, L-1]
     b = 0
     for r, line in enumerate(lines):
         offset = 0
         for row in line:
-            p, n = len(row.prompt), row.length
-            input_ids[r, offset:offset + n] = torch.from_numpy(
-                np.concatenate([row.prompt, row.sample.response_token_ids]).astype(np.int64))
-            position_ids[r, offset:offset + n] = torch.arange(n)
-            layout[b, :n - 1] = r * (length - 1) + offset + torch.arange(n - 1)
+            p, n, sample = len(row.prompt), row.length, row.sample
+            input_ids[r, offset:offset + p] = row.prompt
+            input_ids[r, offset + p:offset + n] = sample.response_token_ids
+            position_ids[r, offset:offset + n] = count[:n]
+            layout[b, :n - 1] = r * (length - 1) + offset + count[:n - 1]
             if row.trained:  # targets p..n-1 (predicted at p-1..n-2): the policy's tokens
-                response_mask[b, p - 1:n - 1] = torch.from_numpy(row.sample.policy_mask)
-            behaviour[b, p - 1:n - 1] = torch.from_numpy(row.sample.logprobs.astype(np.float32))
-            if row.sample.token_rewards is not None:
-                steps[b, p - 1:n - 1] = torch.from_numpy(
-                    row.sample.token_rewards.astype(np.float32))
+                response_mask[b, p - 1:n - 1] = sample.policy_mask
+            behaviour[b, p - 1:n - 1] = sample.logprobs
+            if sample.token_rewards is not None:
+                steps[b, p - 1:n - 1] = sample.token_rewards
             offset += n
             b += 1
         attention_mask[r, :offset] = 1
         if packed:  # positions restart: the padding only attends to itself
-            position_ids[r, offset:] = torch.arange(length - offset)
+            position_ids[r, offset:] = count[:length - offset]
     return MicroBatch(
-        input_ids=input_ids, attention_mask=None if packed else attention_mask,
-        position_ids=position_ids, response_mask=response_mask, behaviour_logprobs=behaviour,
+        input_ids=torch.from_numpy(input_ids),
+        attention_mask=None if packed else torch.from_numpy(attention_mask),
+        position_ids=torch.from_numpy(position_ids),
+        response_mask=torch.from_numpy(response_mask),
+        behaviour_logprobs=torch.from_numpy(behaviour),
         advantages=torch.tensor([r.advantage for r in rows], dtype=torch.float32),
         rewards=torch.tensor([r.reward for r in rows], dtype=torch.float32),
         sampling=sampling, sample_ids=tuple(r.sample_id for r in rows),
-        layout=layout if packed else None,
-        token_rewards=steps if any(r.sample.token_rewards is not None for r in rows) else None)
+        layout=torch.from_numpy(layout) if packed else None,
+        token_rewards=torch.from_numpy(steps)
+        if any(r.sample.token_rewards is not None for r in rows) else None)
 
 
 def make_micro_batches(groups: list[TrajectoryGroup], *, max_tokens: int, pad_id: int = 0,
                        algorithm: AlgorithmConfig = AlgorithmConfig(),
                        outcomes: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None,
-                       packed: bool = False) -> list[MicroBatch]:
+                       packed: bool = False, skip_inert: bool = False) -> list[MicroBatch]:
     """Micro-batches holding every sample of `groups` exactly once, padded or `packed`.
     `outcomes`: the (rewards, advantages) of `groups` when computed over a larger batch
-    (default: over `groups`)."""
+    (default: over `groups`). `skip_inert`: leave out the samples that cannot move the gradient
+    of an `advantage_only` algorithm (advantage 0, or no trained token); the caller counts
+    them in the normalisers (`normalisers`)."""
     if max_tokens < 1:
         raise MilesError(f"max_tokens must be >= 1, got {max_tokens}")
     for group in groups:
@@ -299,11 +307,23 @@ def make_micro_batches(groups: list[TrajectoryGroup], *, max_tokens: int, pad_id
     rewards, advantages = outcomes or outcome_advantages(groups, algorithm)
     by_setting: dict[SamplingSetting, list[_Row]] = {}
     for group, r, a in zip(groups, rewards, advantages, strict=True):
-        by_setting.setdefault(sampling_setting(group), []).extend(
-            group_rows(group, r, a, mask_truncated=algorithm.mask_truncated))
+        rows = group_rows(group, r, a, mask_truncated=algorithm.mask_truncated)
+        if skip_inert:
+            rows = [row for row in rows if row.trained and row.advantage != 0.0]
+        if rows:
+            by_setting.setdefault(sampling_setting(group), []).extend(rows)
     return [collate(lines, setting, pad_id=pad_id, packed=packed)
             for setting, rows in by_setting.items()
             for lines in pack_rows(rows, max_tokens, packed=packed)]
+
+
+def normalisers(groups: list[TrajectoryGroup], algorithm: AlgorithmConfig) -> Normalisers:
+    """The loss's denominators over all samples of `groups` (whether or not a sample gets a
+    forward): trained tokens, rows with a trained token, and the longest recorded response
+    limit (`max_new_tokens`)."""
+    counts = torch.cat([trained_tokens(g, algorithm) for g in groups])  # [samples]
+    return Normalisers(tokens=float(counts.sum()), rows=float((counts > 0).sum()),
+                       constant=float(max(max_new_tokens(g) for g in groups)))
 
 
 def idle_micro_batch(*, pad_id: int = 0) -> MicroBatch:

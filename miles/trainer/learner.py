@@ -53,18 +53,18 @@ from torch.distributed.tensor import DTensor
 
 from miles.errors import ConfigError, FencedError, MilesError, StepError
 from miles.protocol import TrajectoryGroup
-from miles.rl.aggregation import Normalisers
 from miles.rl.algorithm import AlgorithmConfig
 from miles.trainer import critic, distributed
 from miles.trainer.batching import (MicroBatch, idle_micro_batch, make_micro_batches,
-                                    max_new_tokens, outcome_advantages)
+                                    outcome_advantages)
+from miles.trainer.batching import normalisers as batch_normalisers
 from miles.trainer.kl_penalty import KLPenalty
 from miles.trainer.model import (PRECISIONS, LoraSettings, apply_fsdp,
                                  enable_activation_checkpointing, export_adapter, export_full,
                                  fsdp_policies, load_policy, materialise_sharded,
                                  packing_supported, trainable_names)
 from miles.trainer.precision import compute_dtype
-from miles.trainer.reduction import add_metrics, finite_losses, reduce_step
+from miles.trainer.reduction import add_metrics, finite_losses, reduce_step, step_counts
 from miles.trainer.scoring import LOGPROB_FLOOR, Prepared, Scorer, evaluating, prepare
 from miles.trainer.snapshot import Snapshot
 from miles.trainer.update import accumulate
@@ -104,6 +104,10 @@ class LearnerConfig:
     # trained weights, gradient reduction and optimizer state stay fp32, frozen weights (LoRA's
     # base, the reference copy) are stored in the compute dtype
     cpu_offload: bool = False  # keep sharded weights, grads and optimizer state in host memory
+    skip_zero_advantage: bool = True  # samples that cannot move the gradient (advantage 0, or
+    # no trained token) get no forward or backward when every loss term is advantage-weighted
+    # (no critic, KL or entropy term: `AlgorithmConfig.advantage_only`); the normalisers still
+    # count them, so the update is the same (up to float rounding)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)  # estimator, loss, ...
 
     def __post_init__(self) -> None:
@@ -191,8 +195,12 @@ class Learner:
         groups = self._param_groups()
         self.actor_params = groups[0]["params"]  # clipped apart from the critic's (if any)
         self.critic_params = groups[1]["params"] if len(groups) > 1 else []
+        # foreach: one dispatch per operation for all tensors; torch's default on a CPU is a
+        # loop over them, costly on sharded (DTensor) parameters: 10.6 ms against 1.8 ms a step
+        # for the 56 LoRA tensors of the demo's model
         self.optimizer = torch.optim.AdamW(groups, lr=config.lr, betas=config.betas,
-                                           eps=config.adam_eps, weight_decay=config.weight_decay)
+                                           eps=config.adam_eps, weight_decay=config.weight_decay,
+                                           foreach=True)
         self.scorer = Scorer(self.model, device=self.device, reference=self.reference,
                              value_model=self.critic)
         pad_id = self.tokenizer.pad_token_id
@@ -202,6 +210,7 @@ class Learner:
             log.warning("%s ignores restarting position_ids (packed sequences would attend to "
                         "each other): micro-batches are padded instead",
                         self.model.config.model_type)
+        self.skip_inert = config.skip_zero_advantage and self.algorithm.advantage_only
         self.policy_version = 0
         self.steps = 0  # train_step calls, critic warm-up included
         self.kl = KLPenalty(self.algorithm)  # the KL coefficient (fixed or adaptive)
@@ -233,9 +242,12 @@ class Learner:
 
     # -- the step -----------------------------------------------------------------------------
 
-    def micro_batches(self, groups: list[TrajectoryGroup], outcomes=None) -> list[MicroBatch]:
+    def micro_batches(self, groups: list[TrajectoryGroup], outcomes=None, *,
+                      skip_inert: bool = False) -> list[MicroBatch]:
         """This rank's micro-batches of `groups`, padded with idle ones to the max over ranks.
-        `outcomes`: (rewards, advantages) of `groups` (default: `outcome_advantages`)."""
+        `outcomes`: (rewards, advantages) of `groups` (default: `outcome_advantages`);
+        `skip_inert`: leave out the samples that cannot move the gradient (the train step's
+        choice under `skip_zero_advantage`; scoring needs them all)."""
         outcomes = outcomes or outcome_advantages(groups, self.algorithm)
         rank, world = distributed.rank(), distributed.world_size()
         mine = (groups[rank::world], outcomes[0][rank::world], outcomes[1][rank::world])
@@ -243,7 +255,8 @@ class Learner:
         try:  # only this rank sees its share: the error is agreed on before anyone raises
             batches = make_micro_batches(
                 mine[0], max_tokens=self.config.max_tokens_per_micro_batch, pad_id=self.pad_id,
-                algorithm=self.algorithm, outcomes=(mine[1], mine[2]), packed=self.packing)
+                algorithm=self.algorithm, outcomes=(mine[1], mine[2]), packed=self.packing,
+                skip_inert=skip_inert)
         except DATA_ERRORS as err:
             error = err
         most, failing = distributed.all_reduce_max(  # failing: 1 + the last failing rank
@@ -253,7 +266,10 @@ class Learner:
             reason = f"{type(error).__name__}: {error}" if rank == src else None
             reason = distributed.broadcast_bytes(reason and reason.encode(), src=src).decode()
             raise StepError(reason) from error
-        return batches + [idle_micro_batch(pad_id=self.pad_id)] * (int(most) - len(batches))
+        # at least one (idle) micro-batch: with every sample skipped, the optimizer still steps
+        # on zero gradients (Adam's moments move), as it would on the samples' zero terms
+        return batches + [idle_micro_batch(pad_id=self.pad_id)] * (max(int(most), 1)
+                                                                    - len(batches))
 
     def train_step(self, groups: list[TrajectoryGroup], *, apply: bool = True
                    ) -> dict[str, float]:
@@ -288,10 +304,11 @@ class Learner:
         rewards, advantages = outcome_advantages(groups, self.algorithm)
         indices = split_evenly(list(range(len(groups))), self.algorithm.mini_batches)
         slices = [self.micro_batches([groups[i] for i in part],
-                                     ([rewards[i] for i in part], [advantages[i] for i in part]))
+                                     ([rewards[i] for i in part], [advantages[i] for i in part]),
+                                     skip_inert=self.skip_inert)
                   for part in indices]
-        normalisers = [self._normalisers(batches, max(max_new_tokens(groups[i]) for i in part))
-                       for batches, part in zip(slices, indices)]
+        normalisers = [batch_normalisers([groups[i] for i in part], self.algorithm)
+                       for part in indices]
         prepared, critic_metrics = prepare(
             self.scorer, slices, self.algorithm, self.kl,
             proximal=self.updates_per_step(len(groups)) > 1)
@@ -310,17 +327,10 @@ class Learner:
             self.steps += 1
             self.policy_version += int(train_actor)
             self.kl.update()
-        metrics = reduce_step(sums, norms, slices, updates=len(norms),
-                              value_coef=self.algorithm.value_coef,
+        metrics = reduce_step(sums, norms, step_counts(rewards, normalisers, slices),
+                              updates=len(norms), value_coef=self.algorithm.value_coef,
                               policy_version=self.policy_version)
         return {**metrics, **critic_metrics, **self.kl.metrics()}
-
-    def _normalisers(self, batches: list[MicroBatch], limit: int) -> Normalisers:
-        """Token and row counts of a slice over all ranks; `limit` is its max_new_tokens."""
-        local = torch.tensor([[b.num_tokens, int(b.response_mask.any(dim=-1).sum())]
-                              for b in batches], dtype=torch.float64).sum(dim=0)
-        tokens, rows = distributed.all_reduce_sum(local).tolist()
-        return Normalisers(tokens=tokens, rows=rows, constant=float(limit))
 
     def _step(self, apply: bool, losses_finite: bool) -> tuple[float, float]:
         """Clip the actor's and the critic's gradients each to its own norm, step (unless

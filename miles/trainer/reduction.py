@@ -10,14 +10,20 @@ divided by the number of updates: the mean over the step's updates of what was b
   token mean); the terms carry their coefficients and signs (`entropy_loss` = -entropy_coef * H).
 - `trainer/clip_frac` = `clip_frac_low` (ratio below 1) + `clip_frac_high` (ratio above 1);
   `approx_kl_prox` is k3 KL(proximal || current) on the sampled tokens.
+- `trainer/tokens` and `trainer/reward_mean` cover every sample of the batch;
+  `trainer/skipped_samples` got no forward (`LearnerConfig.skip_zero_advantage`), so the
+  per-token metrics (clip fractions, KLs, entropy, IS weights) are means over the others.
 - Gradient norms are pre-clip and the largest over the step's updates; `grad_norm` is the joint
   norm sqrt(actor^2 + critic^2), the two are clipped separately.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
+from miles.rl.aggregation import Normalisers
 from miles.rl.losses import MAX_METRICS
 from miles.trainer import distributed
 from miles.trainer.batching import MicroBatch
@@ -42,23 +48,42 @@ def add_metrics(total: dict[str, torch.Tensor], new: dict[str, torch.Tensor]) ->
             total[key] = total[key] + value
 
 
+@dataclass(frozen=True)
+class StepCounts:
+    """What a step trained on: the whole batch's counts (the same on every rank) and this
+    rank's forwarded samples."""
+
+    reward_sum: float  # shaped rewards of every sample
+    samples: int
+    tokens: float  # trained response tokens (the token normaliser, summed over the slices)
+    forwarded: int  # samples this rank ran a forward for (the rest were skipped as inert)
+
+
+def step_counts(rewards: list[torch.Tensor], normalisers: list[Normalisers],
+                slices: list[list[MicroBatch]]) -> StepCounts:
+    """The counts of a step from its groups' shaped `rewards` ([n] each), its slices'
+    `normalisers` and this rank's micro-batches."""
+    return StepCounts(reward_sum=float(sum(float(r.sum()) for r in rewards)),
+                      samples=sum(len(r) for r in rewards),
+                      tokens=float(sum(n.tokens for n in normalisers)),
+                      forwarded=sum(len(b.sample_ids) for batches in slices for b in batches))
+
+
 def reduce_step(sums: dict[str, torch.Tensor], norms: list[tuple[float, float]],
-                slices: list[list[MicroBatch]], *, updates: int, value_coef: float,
+                counts: StepCounts, *, updates: int, value_coef: float,
                 policy_version: int) -> dict[str, float]:
     """The step's metrics from this rank's `sums` (a collective); `norms`: (actor, critic)
-    pre-clip gradient norms of each update; `slices`: the step's micro-batches."""
-    batches = [b for batches in slices for b in batches]
-    counts = torch.tensor([float(sum(b.rewards.sum() for b in batches)),
-                           float(sum(len(b.sample_ids) for b in batches)),
-                           float(sum(b.num_tokens for b in batches))], dtype=torch.float64)
-    reward_sum, samples, tokens = distributed.all_reduce_sum(counts).tolist()
+    pre-clip gradient norms of each update; `counts`: `step_counts`."""
+    forwarded = distributed.all_reduce_sum(
+        torch.tensor([float(counts.forwarded)], dtype=torch.float64)).item()
     keys = sorted(k for k in sums if k not in MAX_METRICS)
     s = dict(zip(keys, distributed.all_reduce_sum(
         torch.stack([sums[k].double() for k in keys])).tolist())) if keys else {}
     actor, critic = max(n[0] for n in norms), max(n[1] for n in norms)
     out = {"trainer/grad_norm": max((a * a + c * c) ** 0.5 for a, c in norms),
-           "trainer/actor_grad_norm": actor, "trainer/tokens": tokens,
-           "trainer/reward_mean": reward_sum / max(samples, 1.0),
+           "trainer/actor_grad_norm": actor, "trainer/tokens": counts.tokens,
+           "trainer/reward_mean": counts.reward_sum / max(counts.samples, 1),
+           "trainer/skipped_samples": float(counts.samples - forwarded),
            "trainer/updates": float(updates),
            "trainer/policy_version": float(policy_version)}
     per_update = {k: s[k] / max(updates, 1) for k in LOSS_TERMS if k in s}

@@ -135,6 +135,8 @@ def prepare(scorer: Scorer, slices: list[list[MicroBatch]], algorithm: Algorithm
     `kl` puts the KL penalty into the rewards under `kl_in_reward` (`miles.trainer.kl_penalty`).
     Returns the per-micro-batch extras and critic metrics (empty without a critic)."""
     a = algorithm
+    if not (proximal or a.uses_reference or a.uses_critic):  # nothing to score: no mode switch
+        return [[Prepared() for _ in batches] for batches in slices], {}
     out = []
     with evaluating(scorer.model, scorer.reference, scorer.value_model):
         for batches in slices:

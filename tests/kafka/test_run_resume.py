@@ -13,7 +13,8 @@ import time
 import pytest
 
 from tests.accounting import ledger
-from tests.runs import assert_judged_once, published_groups, start_run, write_config, write_dataset
+from tests.runs import (assert_judged_once, published_groups, ready_at, start_run, write_config,
+                        write_dataset)
 
 pytestmark = [pytest.mark.kafka, pytest.mark.slow]
 
@@ -89,3 +90,8 @@ def test_a_kafka_run_trains_on_two_ranks_under_torchrun(kafka_broker, model_dir,
     report = json.loads((out / "report.json").read_text())
     assert (report["ended_by"], report["steps"]) == ("max_steps", 2)
     assert "host RAM / 2 local rank(s)" in (out / "trainer.log").read_text()
+    # the RL clock starts when the daemons could train, as they said on the bus, not when the
+    # run's process read it (that came later, with versions trained before t=0)
+    run = json.loads((out / "run.json").read_text())["run"]
+    ready = asyncio.run(ready_at(kafka_broker.url, run))
+    assert report["rl_started_at"] == pytest.approx(ready, abs=1e-6)
