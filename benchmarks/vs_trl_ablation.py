@@ -27,6 +27,8 @@ LEVERS: dict[str, tuple[str, list[str]]] = {  # name: (side, Miles settings)
                                   "eval_after_run=false"]),  # the demo's defaults before
     "fp32": ("miles", ["learner.precision=fp32"]),
     "kafka-processes": ("miles-kafka", []),  # producer and trainer processes, a core each
+    "threads-2-each": ("miles", ["torch_threads=2"]),  # engine and learner each on torch's
+    # default pool of both cores, in one process (the default before torch_threads)
     "synchronous": ("miles", ["max_staleness=0"]),
     "staleness-2": ("miles", ["max_staleness=2"]),
     "eval-in-run": ("miles", ["eval_every_s=10", "eval_after_run=false"]),  # the evaluator

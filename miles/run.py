@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import shutil
 import time
 from collections import Counter
@@ -32,6 +33,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from types import SimpleNamespace
+
+import torch
 
 from miles.bus import open_bus
 from miles.bus.security import KafkaSecurity
@@ -92,6 +95,8 @@ class RunConfig:
     vllm_server: VLLMServerSettings = field(default_factory=VLLMServerSettings)  # vllm-server
     producers: int = 1  # rollout producers (each with its own engine)
     trainer_ranks: int = 1  # Kafka: trainer processes under torchrun (FSDP2 ranks)
+    torch_threads: int = 0  # torch's CPU threads per producer and per trainer rank; 0: this
+    # machine's cores split evenly between them (they compute at the same time), at least 1
     max_in_flight: int = 0  # > 0: producers stream this many groups (docs/streaming.md)
     weight_update: str = "continue"  # streaming: continue, finish or restart running samples
     fanout: bool = False  # Kafka: also run the evaluator and recorder daemons (fan-out consumers)
@@ -114,7 +119,8 @@ class RunConfig:
     trackers: TrackerSettings = field(default_factory=TrackerSettings)  # TensorBoard, W&B, MLflow
 
     def __post_init__(self) -> None:
-        for name in ("max_steps", "prompts_per_batch", "checkpoint_every", "keep_versions"):
+        for name in ("max_steps", "prompts_per_batch", "checkpoint_every", "keep_versions",
+                     "torch_threads"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
         for name in ("epochs", "producers", "trainer_ranks"):
@@ -134,6 +140,12 @@ class RunConfig:
     @property
     def embedded(self) -> bool:
         return self.bus.startswith("embedded")
+
+    def role_threads(self) -> int:
+        """Torch CPU threads for each producer and each trainer rank (`torch_threads`)."""
+        if self.torch_threads:
+            return self.torch_threads
+        return max(1, len(os.sched_getaffinity(0)) // (self.producers + self.trainer_ranks))
 
     def rollout(self, producer: int = 0) -> RolloutConfig:
         return RolloutConfig(run=self.run, producer_id=f"producer-{producer}",
@@ -240,8 +252,21 @@ async def run_embedded(config: RunConfig, model_dir: Path, evaluator: Evaluator,
                        stop: asyncio.Event, on_beat: Callable[[dict], None] | None) -> dict:
     """Producers and trainer in this process, until a bound is met (the clock starts once the
     producers' engines are up)."""
-    bus = evaluator.bus
     began = time.monotonic()
+    # torch's thread count is the process's: the engines and the learner share it (and the
+    # cores); one pool as wide as the machine for each would oversubscribe it
+    threads = torch.get_num_threads()
+    torch.set_num_threads(config.role_threads())
+    try:
+        return await _run_embedded(config, model_dir, evaluator, stop, on_beat, began)
+    finally:
+        torch.set_num_threads(threads)
+
+
+async def _run_embedded(config: RunConfig, model_dir: Path, evaluator: Evaluator,
+                        stop: asyncio.Event, on_beat: Callable[[dict], None] | None,
+                        began: float) -> dict:
+    bus = evaluator.bus
     engines = [embedded_engine(config, model_dir, i) for i in range(config.producers)]
     engine_start_s = time.monotonic() - began
     trackers = [run_trackers(config, f"producer-{i}") for i in range(config.producers)]

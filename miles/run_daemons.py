@@ -39,7 +39,8 @@ PR_SET_PDEATHSIG = 1
 
 def producer_settings(config: RunConfig, model_dir: Path, index: int = 0) -> ProducerSettings:
     return ProducerSettings(bus=config.bus, kafka=config.kafka, model_dir=model_dir,
-                            lora=config.lora, reward=config.reward, torch_threads=1,
+                            lora=config.lora, reward=config.reward,
+                            torch_threads=config.role_threads(),
                             reward_timeout_s=config.reward_timeout_s, engine=config.engine,
                             vllm=config.vllm, vllm_server=config.vllm_server,
                             rollout=config.rollout(index), env=config.env,
@@ -59,7 +60,8 @@ def daemon_settings(config: RunConfig, model_dir: Path) -> dict:
                  for i in range(config.producers)}
     return {
         **producers,
-        "trainer": TrainerSettings(**common, torch_threads=1, learner=config.learner,
+        "trainer": TrainerSettings(**common, torch_threads=config.role_threads(),
+                                   learner=config.learner,
                                    loop=config.loop(), trackers=config.tracker_settings()),
         "evaluator": EvaluatorSettings(**common, run=config.run, prompts=config.prompts,
                                        reward=config.reward, every_s=config.eval_every_s,

@@ -92,3 +92,24 @@ def test_a_killed_run_resumes_with_every_group_judged_once(model_dir, tmp_path):
     published, lettered = asyncio.run(published_groups(f"embedded://{out.resolve() / 'bus'}", "out"))
     entries = assert_judged_once(out, published, lettered)
     assert len(entries) == 8
+
+
+def test_an_embedded_run_gives_its_roles_a_share_of_the_cores_each(model_dir, tmp_path,
+                                                                    monkeypatch):
+    """The engine and the learner compute at the same time in one process: torch's threads
+    (the process's) are set to one role's share while they run, and put back after."""
+    import torch
+
+    seen: list[int] = []
+    set_threads, before = torch.set_num_threads, torch.get_num_threads()
+    monkeypatch.setattr(torch, "set_num_threads", lambda n: (seen.append(n), set_threads(n)))
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(6)))  # six usable cores
+    dataset = write_dataset(tmp_path / "data.jsonl", 64)
+    for name, settings, threads in (("auto", {}, 3),  # 6 cores // (1 producer + 1 trainer rank)
+                                    ("set", {"torch_threads": 5, "producers": 2}, 5)):
+        seen.clear()
+        config = write_config(tmp_path / f"{name}.toml", model_dir, tmp_path / name, dataset,
+                              max_steps=1, export_policy=False, **settings)
+        code, errors = run_cli("run", str(config))
+        assert code == 0, errors[-3000:]
+        assert seen[:1] == [threads] and seen[-1] == before and torch.get_num_threads() == before
