@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import statistics
 import subprocess
 import sys
@@ -107,6 +108,7 @@ def main(argv: list[str] | None = None) -> int:
         for item in settings:
             command += ["--set", item]
         print(f"[ablation] {name}: {' '.join(settings) or side}", flush=True)
+        shutil.rmtree(out / name / "runs", ignore_errors=True)  # no earlier run's seeds
         subprocess.run(command, check=True, cwd=REPO, stdout=subprocess.DEVNULL)
         runs = [json.loads(p.read_text()) for p in sorted((out / name / "runs").glob("*.json"))
                 if not p.name.endswith(".trl.json")]

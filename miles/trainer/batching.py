@@ -14,6 +14,15 @@ Two layouts of a micro-batch for the model:
   (Llama, Qwen2, Mistral, Gemma, ...) read restarting positions as separate sequences
   (block-diagonal causal attention), so little compute goes to padding, and no line is longer
   than a padded row would be (attention's cost per line stays that of the longest sample).
+- shared prompts (packed, `share_width` > 0: `LearnerConfig.share_prompts`): a group's samples
+  in one line after a single copy of their prompt, where that saves compute (`sharing_pays`:
+  the prompt's projections computed once against the longer line's attention). Each response
+  restarts its positions at the prompt's length and attends to the prompt and to itself
+  causally: a [R, 1, T, T] boolean `attention_mask` (`visibility`) that Hugging Face models
+  take as given (checked at start, `miles.trainer.model.shared_prompts_supported`). The
+  prompt's last position predicts every response's first token, so each sample's targets
+  (`sample_targets`) are gathered at its own positions (`layout`). Forward and backward are
+  the separate samples' (the prompt's gradient is the sum over its responses).
 Either way the per-token tensors the loss reads (`response_mask`, `behaviour_logprobs`, and what
 `MicroBatch.unpack` returns) have the padded [B, L-1] layout, one row per sample, so every loss
 aggregation sees the same rows under both layouts.
@@ -80,7 +89,8 @@ class MicroBatch:
 
     input_ids: torch.Tensor  # [R, T] int64 model input, right-padded: R = B rows of prompt +
     # response (T = L), or R <= B packed lines of several samples each
-    attention_mask: torch.Tensor | None  # [R, T] int64, 1 on real tokens; None when packed
+    attention_mask: torch.Tensor | None  # [R, T] int64, 1 on real tokens; None when packed;
+    # [R, 1, T, T] bool (True: may attend) when a line shares a prompt (`sample_targets`)
     position_ids: torch.Tensor  # [R, T] int64, 0..len-1 on each sample's tokens, 0 on padding
     response_mask: torch.Tensor  # [B, L-1] bool: target t of a sample (its token t+1) is a
     # trained response token (the policy's tokens of a row: an episode's observation tokens
@@ -95,6 +105,9 @@ class MicroBatch:
     token_rewards: torch.Tensor | None = None  # [B, L-1] float32 the wire `token_rewards`
     # aligned with `response_mask` (target t: the sample's token t+1), 0 elsewhere (and for a
     # sample without them); None: no sample of the micro-batch has any
+    sample_targets: torch.Tensor | None = None  # [B, L-1] int64 each sample's token t+1, when
+    # a line shares one prompt among samples (its next token in the line is then not every
+    # sample's target); `attention_mask` is then [R, 1, T, T] bool; None: `targets` serve
 
     @property
     def targets(self) -> torch.Tensor:
@@ -217,87 +230,176 @@ def first_fit(rows: list[_Row], width: int) -> list[list[_Row]]:
     return lines
 
 
-def line_length(line: list[_Row]) -> int:
-    return sum(row.length for row in line)
+@dataclass(frozen=True)
+class _Line:
+    """One model row: samples placed one after the other, or (`shared`) one group's samples
+    after a single copy of their prompt, each response attending to it and to itself."""
+
+    rows: list[_Row]
+    shared: bool = False
+
+    @property
+    def length(self) -> int:
+        if self.shared:
+            return len(self.rows[0].prompt) + sum(len(r.sample.response_token_ids)
+                                                  for r in self.rows)
+        return sum(row.length for row in self.rows)
 
 
-def pack_rows(rows: list[_Row], max_tokens: int, *, packed: bool = False
-              ) -> list[list[list[_Row]]]:
+def sharing_pays(rows: list[_Row], hidden: int) -> bool:
+    """Whether one copy of the prompt of `rows` (one group's samples) costs less compute than a
+    copy per sample at model width `hidden`. Per layer, a token's projections cost ~24 h^2 and
+    each (query, key) pair of attention ~4 h, and a masked pair costs as much as any: sharing
+    saves (k - 1) P tokens and adds T^2 - sum (P + L_i)^2 pairs (T: the shared line's length)."""
+    prompt = len(rows[0].prompt)
+    shared = prompt + sum(len(r.sample.response_token_ids) for r in rows)
+    separate = sum(r.length ** 2 for r in rows)
+    return (len(rows) - 1) * prompt * 6 * hidden > shared ** 2 - separate
+
+
+def shared_lines(rows: list[_Row], max_tokens: int, hidden: int) -> list[_Line]:
+    """A shared line for each group among `rows` with two or more samples, where sharing pays
+    and the line fits in `max_tokens`."""
+    groups: dict[str, list[_Row]] = {}
+    for row in rows:
+        groups.setdefault(row.sample_id[0], []).append(row)
+    lines = [_Line(group, shared=True) for group in groups.values() if len(group) > 1]
+    return [line for line in lines
+            if line.length <= max_tokens and sharing_pays(line.rows, hidden)]
+
+
+def pack_rows(rows: list[_Row], max_tokens: int, *, packed: bool = False, share_width: int = 0
+              ) -> list[list[_Line]]:
     """`rows` as micro-batches of lines (model rows) of samples, each micro-batch at most
     `max_tokens` = lines x longest line. Padded: one sample per line. Packed: samples first-fit
-    into lines as long as the longest sample."""
+    into lines as long as the longest sample (or shared line). `share_width` (packed only; the
+    model's hidden size, 0: never): a group's samples share a line and one copy of their prompt
+    where that saves compute (`sharing_pays`)."""
     rows = sorted(rows, key=lambda r: r.length, reverse=True)
+    lines = shared_lines(rows, max_tokens, share_width) if packed and share_width else []
+    placed = {row.sample_id for line in lines for row in line.rows}
+    rows = [row for row in rows if row.sample_id not in placed]
     if packed and rows:
-        lines = sorted(first_fit(rows, rows[0].length), key=line_length, reverse=True)
+        width = max([rows[0].length] + [line.length for line in lines])
+        lines += [_Line(line) for line in first_fit(rows, width)]
     else:
-        lines = [[row] for row in rows]
-    batches: list[list[list[_Row]]] = []
+        lines += [_Line([row]) for row in rows]
+    lines.sort(key=lambda line: line.length, reverse=True)
+    batches: list[list[_Line]] = []
     for line in lines:  # longest first: batches[-1][0] is the longest line of the last batch
-        if batches and (len(batches[-1]) + 1) * line_length(batches[-1][0]) <= max_tokens:
+        if batches and (len(batches[-1]) + 1) * batches[-1][0].length <= max_tokens:
             batches[-1].append(line)
         else:
             batches.append([line])
     return batches
 
 
-def collate(lines: list[list[_Row]], sampling: SamplingSetting, *, pad_id: int,
+def line_layout(line: _Line, r: int, seq: int, length: int, arrays: dict[str, np.ndarray],
+                b: int) -> tuple[int, int]:
+    """Write `line` into model row `r` of `arrays` (its samples from per-sample row `b`, its
+    sequences numbered from `seq`); returns the next (b, seq)."""
+    count = arrays["count"]
+    offset = 0
+    if line.shared:  # the prompt once, a sequence of its own that each response may see
+        prompt = line.rows[0].prompt
+        arrays["input_ids"][r, :len(prompt)] = prompt
+        arrays["position_ids"][r, :len(prompt)] = count[:len(prompt)]
+        arrays["seq"][r, :len(prompt)] = seq
+        offset, shared_seq, seq = len(prompt), seq, seq + 1
+    for row in line.rows:
+        p, n, sample = len(row.prompt), row.length, row.sample
+        own = n if not line.shared else n - p  # tokens of the row written in the line
+        start = offset - (0 if not line.shared else p)  # line position of the row's token 0
+        tokens = np.concatenate([row.prompt, sample.response_token_ids])
+        arrays["input_ids"][r, offset:offset + own] = tokens[n - own:]
+        arrays["position_ids"][r, offset:offset + own] = count[n - own:n]
+        arrays["seq"][r, offset:offset + own] = seq
+        if line.shared:
+            arrays["sees"][r, offset:offset + own] = shared_seq
+        positions = start + count[:n - 1]  # the line position predicting target t
+        if line.shared:
+            positions[:p] = count[:p]
+        arrays["layout"][b, :n - 1] = r * (length - 1) + positions
+        arrays["targets"][b, :n - 1] = tokens[1:]
+        if row.trained:  # targets p..n-1 (predicted at p-1..n-2): the policy's tokens
+            arrays["response_mask"][b, p - 1:n - 1] = sample.policy_mask
+        arrays["behaviour"][b, p - 1:n - 1] = sample.logprobs
+        if sample.token_rewards is not None:
+            arrays["steps"][b, p - 1:n - 1] = sample.token_rewards
+        offset += own
+        b += 1
+        seq += 1
+    arrays["attention_mask"][r, :offset] = 1
+    arrays["position_ids"][r, offset:] = count[:length - offset]  # padding: a sequence of its own
+    arrays["seq"][r, offset:] = seq
+    return b, seq + 1
+
+
+def visibility(seq: np.ndarray, sees: np.ndarray) -> torch.Tensor:
+    """[R, 1, T, T] bool attention mask (True: may attend) of lines whose tokens belong to
+    sequences `seq` ([R, T]): causal within a sequence, and onto the sequence `sees` names (a
+    shared prompt; -1: none)."""
+    seq, sees = torch.from_numpy(seq), torch.from_numpy(sees)
+    causal = torch.ones(seq.shape[1], seq.shape[1], dtype=torch.bool).tril()
+    allowed = (seq.unsqueeze(2) == seq.unsqueeze(1)) | (sees.unsqueeze(2) == seq.unsqueeze(1))
+    return (allowed & causal).unsqueeze(1)
+
+
+def collate(lines: list[_Line], sampling: SamplingSetting, *, pad_id: int,
             packed: bool = False) -> MicroBatch:
     """The tensors of `lines` of samples (see the module docstring): each line is one model row,
     right-padded to the longest; a packed line's padding is a sequence of its own. Filled as
     numpy arrays (a slice assignment costs a fraction of a torch one), then wrapped."""
-    rows = [row for line in lines for row in line]
+    rows = [row for line in lines for row in line.rows]
     width = max(r.length for r in rows)  # L: the per-sample layout
-    length = max(line_length(line) for line in lines)  # T
-    count = np.arange(max(width, length))
-    response_mask = np.zeros((len(rows), width - 1), dtype=bool)  # [B, L-1]
-    behaviour = np.zeros((len(rows), width - 1), dtype=np.float32)  # [B, L-1]
-    steps = np.zeros((len(rows), width - 1), dtype=np.float32)  # [B, L-1]
-    input_ids = np.full((len(lines), length), pad_id, dtype=np.int64)  # [R, T]
-    position_ids = np.zeros((len(lines), length), dtype=np.int64)  # [R, T]
-    attention_mask = np.zeros((len(lines), length), dtype=np.int64)  # [R, T]
-    layout = np.zeros((len(rows), width - 1), dtype=np.int64)  # [B, L-1]
-    b = 0
+    length = max(line.length for line in lines)  # T
+    shared = any(line.shared for line in lines)
+    arrays = {
+        "count": np.arange(max(width, length)),
+        "response_mask": np.zeros((len(rows), width - 1), dtype=bool),  # [B, L-1]
+        "behaviour": np.zeros((len(rows), width - 1), dtype=np.float32),  # [B, L-1]
+        "steps": np.zeros((len(rows), width - 1), dtype=np.float32),  # [B, L-1]
+        "layout": np.zeros((len(rows), width - 1), dtype=np.int64),  # [B, L-1]
+        "targets": np.zeros((len(rows), width - 1), dtype=np.int64),  # [B, L-1]
+        "input_ids": np.full((len(lines), length), pad_id, dtype=np.int64),  # [R, T]
+        "position_ids": np.zeros((len(lines), length), dtype=np.int64),  # [R, T]
+        "attention_mask": np.zeros((len(lines), length), dtype=np.int64),  # [R, T]
+        "seq": np.zeros((len(lines), length), dtype=np.int64),  # [R, T] sequence of a token
+        "sees": np.full((len(lines), length), -1, dtype=np.int64),  # [R, T] its shared prompt
+    }
+    b, seq = 0, 0
     for r, line in enumerate(lines):
-        offset = 0
-        for row in line:
-            p, n, sample = len(row.prompt), row.length, row.sample
-            input_ids[r, offset:offset + p] = row.prompt
-            input_ids[r, offset + p:offset + n] = sample.response_token_ids
-            position_ids[r, offset:offset + n] = count[:n]
-            layout[b, :n - 1] = r * (length - 1) + offset + count[:n - 1]
-            if row.trained:  # targets p..n-1 (predicted at p-1..n-2): the policy's tokens
-                response_mask[b, p - 1:n - 1] = sample.policy_mask
-            behaviour[b, p - 1:n - 1] = sample.logprobs
-            if sample.token_rewards is not None:
-                steps[b, p - 1:n - 1] = sample.token_rewards
-            offset += n
-            b += 1
-        attention_mask[r, :offset] = 1
-        if packed:  # positions restart: the padding only attends to itself
-            position_ids[r, offset:] = count[:length - offset]
+        b, seq = line_layout(line, r, seq, length, arrays, b)
+    if not packed:  # padded: positions are 0 on padding, attention_mask marks it
+        arrays["position_ids"] *= arrays["attention_mask"]
+    if shared:
+        attention_mask = visibility(arrays["seq"], arrays["sees"])
+    else:
+        attention_mask = None if packed else torch.from_numpy(arrays["attention_mask"])
     return MicroBatch(
-        input_ids=torch.from_numpy(input_ids),
-        attention_mask=None if packed else torch.from_numpy(attention_mask),
-        position_ids=torch.from_numpy(position_ids),
-        response_mask=torch.from_numpy(response_mask),
-        behaviour_logprobs=torch.from_numpy(behaviour),
+        input_ids=torch.from_numpy(arrays["input_ids"]), attention_mask=attention_mask,
+        position_ids=torch.from_numpy(arrays["position_ids"]),
+        response_mask=torch.from_numpy(arrays["response_mask"]),
+        behaviour_logprobs=torch.from_numpy(arrays["behaviour"]),
         advantages=torch.tensor([r.advantage for r in rows], dtype=torch.float32),
         rewards=torch.tensor([r.reward for r in rows], dtype=torch.float32),
         sampling=sampling, sample_ids=tuple(r.sample_id for r in rows),
-        layout=torch.from_numpy(layout) if packed else None,
-        token_rewards=torch.from_numpy(steps)
-        if any(r.sample.token_rewards is not None for r in rows) else None)
+        layout=torch.from_numpy(arrays["layout"]) if packed else None,
+        token_rewards=torch.from_numpy(arrays["steps"])
+        if any(r.sample.token_rewards is not None for r in rows) else None,
+        sample_targets=torch.from_numpy(arrays["targets"]) if shared else None)
 
 
 def make_micro_batches(groups: list[TrajectoryGroup], *, max_tokens: int, pad_id: int = 0,
                        algorithm: AlgorithmConfig = AlgorithmConfig(),
                        outcomes: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None,
-                       packed: bool = False, skip_inert: bool = False) -> list[MicroBatch]:
+                       packed: bool = False, skip_inert: bool = False,
+                       share_width: int = 0) -> list[MicroBatch]:
     """Micro-batches holding every sample of `groups` exactly once, padded or `packed`.
     `outcomes`: the (rewards, advantages) of `groups` when computed over a larger batch
     (default: over `groups`). `skip_inert`: leave out the samples that cannot move the gradient
     of an `advantage_only` algorithm (advantage 0, or no trained token); the caller counts
-    them in the normalisers (`normalisers`)."""
+    them in the normalisers (`normalisers`). `share_width`: see `pack_rows`."""
     if max_tokens < 1:
         raise MilesError(f"max_tokens must be >= 1, got {max_tokens}")
     for group in groups:
@@ -314,7 +416,7 @@ def make_micro_batches(groups: list[TrajectoryGroup], *, max_tokens: int, pad_id
             by_setting.setdefault(sampling_setting(group), []).extend(rows)
     return [collate(lines, setting, pad_id=pad_id, packed=packed)
             for setting, rows in by_setting.items()
-            for lines in pack_rows(rows, max_tokens, packed=packed)]
+            for lines in pack_rows(rows, max_tokens, packed=packed, share_width=share_width)]
 
 
 def normalisers(groups: list[TrajectoryGroup], algorithm: AlgorithmConfig) -> Normalisers:

@@ -62,7 +62,7 @@ from miles.trainer.kl_penalty import KLPenalty
 from miles.trainer.model import (PRECISIONS, LoraSettings, apply_fsdp,
                                  enable_activation_checkpointing, export_adapter, export_full,
                                  fsdp_policies, load_policy, materialise_sharded,
-                                 packing_supported, trainable_names)
+                                 packing_supported, shared_prompts_supported, trainable_names)
 from miles.trainer.precision import compute_dtype
 from miles.trainer.reduction import add_metrics, finite_losses, reduce_step, step_counts
 from miles.trainer.scoring import LOGPROB_FLOOR, Prepared, Scorer, evaluating, prepare
@@ -95,6 +95,9 @@ class LearnerConfig:
     max_tokens_per_micro_batch: int = 8192  # tokens per forward: model rows x longest row
     sequence_packing: bool = True  # several samples per model row, as long as the longest (little
     # compute on padding); false, or a model that ignores restarting position_ids: one each
+    share_prompts: bool = True  # packed: a group's samples share a row and one copy of their
+    # prompt where that saves compute (`batching.sharing_pays`), if the model honours a custom
+    # 4D attention mask (checked at start)
     seed: int = 0  # seeds the LoRA init (identical on every rank) and torch's RNG
     activation_checkpointing: bool = False  # recompute block activations in backward (memory)
     compile: bool = False  # torch.compile each decoder block of the trained model(s)
@@ -210,6 +213,13 @@ class Learner:
             log.warning("%s ignores restarting position_ids (packed sequences would attend to "
                         "each other): micro-batches are padded instead",
                         self.model.config.model_type)
+        self.share_width = 0  # the model's width when samples share prompts (0: they do not)
+        if self.packing and config.share_prompts:
+            if shared_prompts_supported(self.model, self.device):
+                self.share_width = int(self.model.config.hidden_size)
+            else:
+                log.warning("%s does not honour a custom attention mask: samples do not share "
+                            "their prompt's copy", self.model.config.model_type)
         self.skip_inert = config.skip_zero_advantage and self.algorithm.advantage_only
         self.policy_version = 0
         self.steps = 0  # train_step calls, critic warm-up included
@@ -256,7 +266,7 @@ class Learner:
             batches = make_micro_batches(
                 mine[0], max_tokens=self.config.max_tokens_per_micro_batch, pad_id=self.pad_id,
                 algorithm=self.algorithm, outcomes=(mine[1], mine[2]), packed=self.packing,
-                skip_inert=skip_inert)
+                skip_inert=skip_inert, share_width=self.share_width)
         except DATA_ERRORS as err:
             error = err
         most, failing = distributed.all_reduce_max(  # failing: 1 + the last failing rank

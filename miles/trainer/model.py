@@ -22,9 +22,11 @@ Simplifications:
 
 from __future__ import annotations
 
+import logging
 from dataclasses import replace
 from pathlib import Path
 
+import numpy as np
 import torch
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
@@ -35,6 +37,9 @@ from torch.distributed.tensor import DTensor
 from miles.engines.base import LoraSettings  # shared with the engines: one adapter shape
 from miles.errors import ConfigError, MilesError
 from miles.trainer import distributed
+from miles.trainer.batching import visibility
+
+log = logging.getLogger(__name__)
 
 ADAPTER_NAME = "default"
 PRECISIONS = ("auto", "fp32", "bf16")
@@ -186,6 +191,34 @@ def packing_supported(model: nn.Module, device: torch.device) -> bool:
         model.reshard()
     scale = float(alone.abs().max())
     return float((packed - alone).abs().max()) <= 0.02 * max(scale, 1e-6)
+
+
+@torch.no_grad()
+def shared_prompts_supported(model: nn.Module, device: torch.device) -> bool:
+    """Whether `model` honours a custom [R, 1, T, T] boolean attention mask, so samples can share
+    one copy of their prompt in a line (`miles.trainer.batching`, `pack_rows`): a prompt of 3
+    tokens shared by responses of 2 and 3 tokens must give the logits each sample gives alone.
+    A collective forward under FSDP2."""
+    vocab = model.config.vocab_size
+    prompt, responses = [1, 2, 3], [[4, 5], [6, 7, 8]]
+    ids = torch.tensor([prompt + responses[0] + responses[1]], device=device) % vocab
+    positions = torch.tensor([[0, 1, 2, 3, 4, 3, 4, 5]], device=device)
+    seq = np.array([[0, 0, 0, 1, 1, 2, 2, 2]])
+    sees = np.array([[-1, -1, -1, 0, 0, 0, 0, 0]])
+    mask = visibility(seq, sees).to(device)
+    try:  # an attention kernel without custom masks (FlashAttention-2) may refuse it outright
+        shared = model(input_ids=ids, position_ids=positions, attention_mask=mask,
+                       use_cache=False).logits[0]
+    except (RuntimeError, ValueError, TypeError) as err:
+        log.info("no shared prompts: the model refuses a 4D attention mask (%s)", err)
+        return False
+    alone = [model(input_ids=torch.tensor([prompt + r], device=device) % vocab,
+                   use_cache=False).logits[0] for r in responses]
+    if isinstance(model, FSDPModule):  # FSDP2 keeps the root gathered after a forward
+        model.reshard()
+    expected = torch.cat([alone[0], alone[1][3:]])  # the prompt's logits, then each response's
+    scale = float(expected.abs().max())
+    return float((shared - expected).abs().max()) <= 0.02 * max(scale, 1e-6)
 
 
 def trainable_names(model: nn.Module) -> set[str]:

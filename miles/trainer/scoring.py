@@ -101,6 +101,10 @@ class Scorer:
 
     def gather(self, processed: torch.Tensor, batch: MicroBatch) -> torch.Tensor:
         """Floored logprobs of the targets under `processed` logits, [B, L-1]."""
+        if batch.sample_targets is not None:  # shared prompts: index each sample's prediction
+            logp = processed.log_softmax(dim=-1).flatten(0, 1)  # [R * (T-1), V]
+            logp = logp[batch.layout.to(self.device), batch.sample_targets.to(self.device)]
+            return logp.clamp(min=LOGPROB_FLOOR)  # [B, L-1]
         logp = processed.log_softmax(dim=-1).gather(
             -1, batch.targets.to(self.device).unsqueeze(-1)).squeeze(-1)  # [R, T-1]
         return batch.unpack(logp.clamp(min=LOGPROB_FLOOR))
