@@ -46,6 +46,8 @@ LEVERS: dict[str, tuple[str, list[str]]] = {  # name: (side, Miles settings)
     "padded": ("miles", ["learner.sequence_packing=false"]),
     "train-zero-advantage": ("miles", ["learner.skip_zero_advantage=false"]),  # equal-reward
     # groups forwarded and backpropagated for terms that are exactly 0
+    "separate-prompts": ("miles", ["learner.share_prompts=false"]),  # a copy of the prompt per
+    # sample instead of one per group
     "compile": ("miles", ["learner.compile=true"]),
 }
 
