@@ -118,6 +118,11 @@ def _by_step(root: Path) -> list[tuple[int, Path]]:
     return sorted(((s, p) for s, p in found if s is not None), reverse=True)
 
 
+def has_checkpoints(root: Path) -> bool:
+    """Whether `root` holds a checkpoint folder (complete or not), for `load_newest` to try."""
+    return bool(_by_step(root))
+
+
 def prune_checkpoints(root: Path, keep: int = KEEP) -> list[Path]:
     """Delete complete checkpoints older than the newest `keep`, and staging folders older than
     the newest complete one; never the newest complete checkpoint. Returns what was deleted."""

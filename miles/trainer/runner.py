@@ -21,7 +21,7 @@ import msgpack
 from miles.errors import FencedError
 from miles.protocol import TrajectoryGroup, WeightVersion, decode
 from miles.trainer import distributed
-from miles.trainer.checkpoint import load_newest, save_checkpoint
+from miles.trainer.checkpoint import has_checkpoints, load_newest, save_checkpoint
 from miles.trainer.fence import Fence
 from miles.trainer.isolation import Isolation
 from miles.trainer.learner import Learner
@@ -71,8 +71,11 @@ class StepRunner:
         drop the weight versions of the lineage it replaces, export the starting weights."""
         if distributed.is_main():
             self.fence = Fence.take(self.config.out_dir)
-        state = self.learner.state_dict()
-        found = load_newest(self.checkpoints, state)
+        # the state dict to load into is taken only when there is a checkpoint: taking it
+        # materialises the optimizer state with a zero-lr step, and a fresh run's Adam would
+        # then bias-correct its first updates as later ones (smaller steps)
+        state = self.learner.state_dict() if has_checkpoints(self.checkpoints) else None
+        found = None if state is None else load_newest(self.checkpoints, state)
         meta = None
         if found is not None:
             meta = found[1]
