@@ -137,6 +137,14 @@ def process_group():
     distributed.destroy()
 
 
+def trained_weights(learner: Learner) -> dict[str, torch.Tensor]:
+    """Full copies of the learner's trained parameters, by name."""
+    from torch.distributed.tensor import DTensor
+
+    return {name: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
+            for name, p in learner.model.named_parameters() if p.requires_grad}
+
+
 @torch.no_grad()
 def aggregated_loss(learner: Learner, groups: list) -> float:
     """The policy loss the learner's settings give on the batch at its current weights, summed

@@ -8,37 +8,23 @@ optimizer untouched.
 """
 
 import torch
-from torch.distributed.tensor import DTensor
 
-from miles.trainer import distributed
 from miles.trainer.learner import Learner, LearnerConfig
 from miles.trainer.loop import LoopConfig
 from miles.trainer.model import LoraSettings
 from miles.trainer.runner import StepRunner
+from tests.integration.conformance import process_group, trained_weights  # noqa: F401
 from tests.factories import make_group, make_sample
-
-import pytest
 
 VOCAB = 78
 LORA = LoraSettings(r=4, alpha=8)
 CONFIG = LearnerConfig(lr=1e-2, seed=0, precision="fp32")
 
 
-@pytest.fixture(scope="module", autouse=True)
-def process_group():
-    yield
-    distributed.destroy()
-
-
 def groups() -> list:
     return [make_group(vocab_size=VOCAB, seed=g, sampling={"max_new_tokens": 8}, samples=[
         make_sample(3 + i, vocab_size=VOCAB, seed=10 * g + i, reward=float(i % 2))
         for i in range(4)]) for g in range(3)]
-
-
-def params(learner: Learner) -> dict[str, torch.Tensor]:
-    return {name: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
-            for name, p in learner.model.named_parameters() if p.requires_grad}
 
 
 def test_starting_without_a_checkpoint_leaves_adam_at_its_first_step(model_dir, tmp_path):
@@ -53,5 +39,5 @@ def test_starting_without_a_checkpoint_leaves_adam_at_its_first_step(model_dir, 
         plain.train_step(groups())
     steps = {float(s["step"]) for s in started.optimizer.state.values()}
     assert steps == {2.0}
-    assert all(torch.equal(a, b) for a, b in zip(params(started).values(),
-                                                  params(plain).values()))
+    assert all(torch.equal(a, b) for a, b in zip(trained_weights(started).values(),
+                                                  trained_weights(plain).values()))

@@ -10,13 +10,12 @@ from dataclasses import replace
 import numpy as np
 import pytest
 import torch
-from torch.distributed.tensor import DTensor
 from torch.testing import assert_close
 
-from miles.trainer import distributed
 from miles.trainer.batching import _Row, sharing_pays
 from miles.trainer.learner import Learner, LearnerConfig
 from miles.trainer.model import LoraSettings, shared_prompts_supported
+from tests.integration.conformance import process_group, trained_weights  # noqa: F401
 from tests.factories import make_episode, make_group, make_sample
 
 VOCAB = 78
@@ -24,12 +23,6 @@ LORA = LoraSettings(r=4, alpha=8)
 # adam_eps 1: the update is ~ lr x momentum, linear in the gradients (see test_skip_zero_advantage)
 CONFIG = LearnerConfig(lr=0.5, adam_eps=1.0, max_tokens_per_micro_batch=256, seed=0,
                        precision="fp32")
-
-
-@pytest.fixture(scope="module", autouse=True)
-def process_group():
-    yield
-    distributed.destroy()
 
 
 def groups() -> list:
@@ -43,11 +36,6 @@ def groups() -> list:
         out.append(make_group(vocab_size=VOCAB, seed=g, samples=samples, prompt_tokens=12,
                               sampling={"temperature": 1.0, "max_new_tokens": 4}))
     return out
-
-
-def params(learner: Learner) -> dict[str, torch.Tensor]:
-    return {name: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
-            for name, p in learner.model.named_parameters() if p.requires_grad}
 
 
 def scored(learner: Learner, batch_groups) -> dict:
@@ -83,7 +71,7 @@ def test_a_step_on_shared_prompts_is_the_step_on_separate_samples(model_dir):
         assert a["trainer/tokens"] == b["trainer/tokens"]
         assert a["trainer/loss"] == pytest.approx(b["trainer/loss"], abs=1e-6)
         assert a["trainer/entropy"] == pytest.approx(b["trainer/entropy"], rel=1e-5)
-    assert_close(params(sharing), params(alone), rtol=1e-5, atol=1e-6)
+    assert_close(trained_weights(sharing), trained_weights(alone), rtol=1e-5, atol=1e-6)
 
 
 def test_a_model_that_ignores_the_mask_does_not_share(model_dir):

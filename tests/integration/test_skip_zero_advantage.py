@@ -11,14 +11,13 @@ from dataclasses import replace
 import numpy as np
 import pytest
 import torch
-from torch.distributed.tensor import DTensor
 from torch.testing import assert_close
 
 from miles.rl.algorithm import AlgorithmConfig
 from miles.rl.losses import LossSettings
-from miles.trainer import distributed
 from miles.trainer.learner import Learner, LearnerConfig
 from miles.trainer.model import LoraSettings
+from tests.integration.conformance import process_group, trained_weights  # noqa: F401
 from tests.factories import make_group, make_sample
 
 VOCAB = 78
@@ -27,12 +26,6 @@ LORA = LoraSettings(r=4, alpha=8)
 # turns a gradient element that is only rounding noise into a full-size step either way)
 CONFIG = LearnerConfig(lr=0.5, adam_eps=1.0, max_tokens_per_micro_batch=64, seed=0,
                        precision="fp32")
-
-
-@pytest.fixture(scope="module", autouse=True)
-def process_group():
-    yield
-    distributed.destroy()
 
 
 def group(seed: int, rewards: list[float]):
@@ -45,11 +38,6 @@ def group(seed: int, rewards: list[float]):
 MIXED = [group(0, [1.0, 0.0, 0.0, 1.0]), group(1, [1.0, 1.0, 1.0, 1.0]),
          group(2, [0.0, 0.0, 1.0, 0.0]), group(3, [0.0, 0.0, 0.0, 0.0])]
 EQUAL = [group(4, [1.0] * 4), group(5, [0.0] * 4)]
-
-
-def params(learner: Learner) -> dict[str, torch.Tensor]:
-    return {name: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
-            for name, p in learner.model.named_parameters() if p.requires_grad}
 
 
 def forwarded(learner: Learner, groups) -> set[str]:
@@ -76,8 +64,8 @@ def test_skipped_samples_get_no_forward_and_the_update_is_the_same(model_dir):
         assert with_skip["trainer/loss"] == pytest.approx(without["trainer/loss"], abs=1e-6)
         assert with_skip["trainer/grad_norm"] == pytest.approx(without["trainer/grad_norm"],
                                                                rel=1e-5)
-    after, reference = params(skipping), params(training)
-    assert any(not torch.equal(v, params(Learner(model_dir, CONFIG, lora=LORA))[k])
+    after, reference = trained_weights(skipping), trained_weights(training)
+    assert any(not torch.equal(v, trained_weights(Learner(model_dir, CONFIG, lora=LORA))[k])
                for k, v in after.items())  # the steps did move the weights
     assert_close(after, reference, rtol=1e-5, atol=1e-6)
 
@@ -86,13 +74,14 @@ def test_a_step_of_only_equal_rewards_still_steps_the_optimizer(model_dir):
     skipping, training = learners(model_dir)
     for learner in (skipping, training):
         learner.train_step(MIXED)  # Adam's moments are non-zero now
-    before = params(skipping)
+    before = trained_weights(skipping)
     metrics = skipping.train_step(EQUAL)
     training.train_step(EQUAL)
     assert metrics["trainer/skipped_samples"] == 8.0
     assert metrics["trainer/grad_norm"] == 0.0
-    assert any(not torch.equal(before[k], v) for k, v in params(skipping).items())  # momentum
-    assert_close(params(skipping), params(training), rtol=1e-5, atol=1e-6)
+    moved = trained_weights(skipping)
+    assert any(not torch.equal(before[k], v) for k, v in moved.items())  # Adam's momentum
+    assert_close(trained_weights(skipping), trained_weights(training), rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("loss", [LossSettings(entropy_coef=0.01), LossSettings(kl_coef=0.1)])
@@ -115,5 +104,5 @@ def test_truncated_responses_masked_out_are_skipped_too(model_dir):
     assert ids == {("g-6", 1), ("g-6", 2), ("g-6", 3)}
     skipping.train_step([cut])
     training.train_step([cut])
-    assert_close(params(skipping), params(training), rtol=1e-5, atol=1e-6)
+    assert_close(trained_weights(skipping), trained_weights(training), rtol=1e-5, atol=1e-6)
     assert np.isfinite(skipping.train_step([cut])["trainer/loss"])
