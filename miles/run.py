@@ -40,7 +40,6 @@ from miles.bus import open_bus
 from miles.bus.security import KafkaSecurity
 from miles.config import log_config
 from miles.engines.base import MAX_STOP_STRINGS, LoraSettings, RolloutEngine
-from miles.engines.hf import HFEngine
 from miles.engines.vllm_engine import VLLMEngineSettings
 from miles.engines.vllm_server import VLLMServerSettings
 from miles.envs import EnvironmentFactory, SandboxLimits, ToolSettings, load_environment
@@ -241,10 +240,8 @@ def episode_eval(config: RunConfig, scorer: Scorer) -> EpisodeEval | None:
 
 
 def embedded_engine(config: RunConfig, model_dir: Path, index: int = 0) -> RolloutEngine:
-    """Embedded producer `index`'s engine. The Hugging Face one is built here, not by the
-    producer's builder, which would set torch's threads for the trainer in this process too."""
-    if config.engine == "hf":
-        return HFEngine(model_dir, lora=config.lora)
+    """Embedded producer `index`'s engine, built as its daemon would build it (torch's threads
+    set to `role_threads`, as `run_embedded` already did for the whole process)."""
     return build_engine(producer_settings(config, model_dir, index))
 
 
@@ -252,21 +249,20 @@ async def run_embedded(config: RunConfig, model_dir: Path, evaluator: Evaluator,
                        stop: asyncio.Event, on_beat: Callable[[dict], None] | None) -> dict:
     """Producers and trainer in this process, until a bound is met (the clock starts once the
     producers' engines are up)."""
-    began = time.monotonic()
     # torch's thread count is the process's: the engines and the learner share it (and the
     # cores); one pool as wide as the machine for each would oversubscribe it
     threads = torch.get_num_threads()
     torch.set_num_threads(config.role_threads())
     try:
-        return await _run_embedded(config, model_dir, evaluator, stop, on_beat, began)
+        return await _run_embedded(config, model_dir, evaluator, stop, on_beat)
     finally:
         torch.set_num_threads(threads)
 
 
 async def _run_embedded(config: RunConfig, model_dir: Path, evaluator: Evaluator,
-                        stop: asyncio.Event, on_beat: Callable[[dict], None] | None,
-                        began: float) -> dict:
+                        stop: asyncio.Event, on_beat: Callable[[dict], None] | None) -> dict:
     bus = evaluator.bus
+    began = time.monotonic()
     engines = [embedded_engine(config, model_dir, i) for i in range(config.producers)]
     engine_start_s = time.monotonic() - began
     trackers = [run_trackers(config, f"producer-{i}") for i in range(config.producers)]

@@ -399,7 +399,7 @@ def make_micro_batches(groups: list[TrajectoryGroup], *, max_tokens: int, pad_id
     `outcomes`: the (rewards, advantages) of `groups` when computed over a larger batch
     (default: over `groups`). `skip_inert`: leave out the samples that cannot move the gradient
     of an `advantage_only` algorithm (advantage 0, or no trained token); the caller counts
-    them in the normalisers (`normalisers`). `share_width`: see `pack_rows`."""
+    them in the normalisers (`loss_normalisers`). `share_width`: see `pack_rows`."""
     if max_tokens < 1:
         raise MilesError(f"max_tokens must be >= 1, got {max_tokens}")
     for group in groups:
@@ -419,7 +419,7 @@ def make_micro_batches(groups: list[TrajectoryGroup], *, max_tokens: int, pad_id
             for lines in pack_rows(rows, max_tokens, packed=packed, share_width=share_width)]
 
 
-def normalisers(groups: list[TrajectoryGroup], algorithm: AlgorithmConfig) -> Normalisers:
+def loss_normalisers(groups: list[TrajectoryGroup], algorithm: AlgorithmConfig) -> Normalisers:
     """The loss's denominators over all samples of `groups` (whether or not a sample gets a
     forward): trained tokens, rows with a trained token, and the longest recorded response
     limit (`max_new_tokens`)."""

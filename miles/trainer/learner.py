@@ -55,9 +55,8 @@ from miles.errors import ConfigError, FencedError, MilesError, StepError
 from miles.protocol import TrajectoryGroup
 from miles.rl.algorithm import AlgorithmConfig
 from miles.trainer import critic, distributed
-from miles.trainer.batching import (MicroBatch, idle_micro_batch, make_micro_batches,
-                                    outcome_advantages)
-from miles.trainer.batching import normalisers as batch_normalisers
+from miles.trainer.batching import (MicroBatch, idle_micro_batch, loss_normalisers,
+                                    make_micro_batches, outcome_advantages)
 from miles.trainer.kl_penalty import KLPenalty
 from miles.trainer.model import (PRECISIONS, LoraSettings, apply_fsdp,
                                  enable_activation_checkpointing, export_adapter, export_full,
@@ -317,7 +316,7 @@ class Learner:
                                      ([rewards[i] for i in part], [advantages[i] for i in part]),
                                      skip_inert=self.skip_inert)
                   for part in indices]
-        normalisers = [batch_normalisers([groups[i] for i in part], self.algorithm)
+        normalisers = [loss_normalisers([groups[i] for i in part], self.algorithm)
                        for part in indices]
         prepared, critic_metrics = prepare(
             self.scorer, slices, self.algorithm, self.kl,

@@ -187,10 +187,17 @@ def packing_supported(model: nn.Module, device: torch.device) -> bool:
     packed = model(input_ids=ids, position_ids=positions, use_cache=False).logits[0]
     alone = torch.cat([model(input_ids=part, use_cache=False).logits[0]
                        for part in ids.split(lengths, dim=1)])
-    if isinstance(model, FSDPModule):  # FSDP2 keeps the root gathered after a forward
+    return _same_logits(model, packed, alone)
+
+
+def _same_logits(model: nn.Module, got: torch.Tensor, expected: torch.Tensor) -> bool:
+    """A probe's verdict: `got` within 2% of `expected`'s scale (a layout the model misreads
+    differs by a large fraction of it). Reshards the FSDP2 root, which a forward leaves
+    gathered."""
+    if isinstance(model, FSDPModule):
         model.reshard()
-    scale = float(alone.abs().max())
-    return float((packed - alone).abs().max()) <= 0.02 * max(scale, 1e-6)
+    scale = float(expected.abs().max())
+    return float((got - expected).abs().max()) <= 0.02 * max(scale, 1e-6)
 
 
 @torch.no_grad()
@@ -214,11 +221,8 @@ def shared_prompts_supported(model: nn.Module, device: torch.device) -> bool:
         return False
     alone = [model(input_ids=torch.tensor([prompt + r], device=device) % vocab,
                    use_cache=False).logits[0] for r in responses]
-    if isinstance(model, FSDPModule):  # FSDP2 keeps the root gathered after a forward
-        model.reshard()
     expected = torch.cat([alone[0], alone[1][3:]])  # the prompt's logits, then each response's
-    scale = float(expected.abs().max())
-    return float((shared - expected).abs().max()) <= 0.02 * max(scale, 1e-6)
+    return _same_logits(model, shared, expected)
 
 
 def trainable_names(model: nn.Module) -> set[str]:

@@ -71,12 +71,13 @@ class StepRunner:
         drop the weight versions of the lineage it replaces, export the starting weights."""
         if distributed.is_main():
             self.fence = Fence.take(self.config.out_dir)
+        meta, found = None, None
         # the state dict to load into is taken only when there is a checkpoint: taking it
         # materialises the optimizer state with a zero-lr step, and a fresh run's Adam would
         # then bias-correct its first updates as later ones (smaller steps)
-        state = self.learner.state_dict() if has_checkpoints(self.checkpoints) else None
-        found = None if state is None else load_newest(self.checkpoints, state)
-        meta = None
+        if has_checkpoints(self.checkpoints):
+            state = self.learner.state_dict()
+            found = load_newest(self.checkpoints, state)
         if found is not None:
             meta = found[1]
             self.learner.load_state_dict(state)

@@ -67,7 +67,7 @@ def test_the_door_comes_before_any_model_loads(tmp_path, model_dir, monkeypatch)
         raise AssertionError("a model was loaded before the settings were checked")
 
     monkeypatch.setattr(run_module, "warm_start", no_model)
-    monkeypatch.setattr(run_module, "HFEngine", no_model)
+    monkeypatch.setattr(run_module, "build_engine", no_model)
     with pytest.raises(ConfigError, match="^reward"):
         main_run(config_of(tmp_path, model_dir, "reward=no_such_module:score"))
 
