@@ -203,8 +203,8 @@ class Learner:
         self.optimizer = torch.optim.AdamW(groups, lr=config.lr, betas=config.betas,
                                            eps=config.adam_eps, weight_decay=config.weight_decay,
                                            foreach=True)
-        self.scorer = Scorer(self.model, device=self.device, reference=self.reference,
-                             value_model=self.critic)
+        self.scorer = Scorer(self.model, device=self.device, dtype=self.dtype,
+                             reference=self.reference, value_model=self.critic)
         pad_id = self.tokenizer.pad_token_id
         self.pad_id = int(pad_id if pad_id is not None else 0)
         self.packing = config.sequence_packing and packing_supported(self.model, self.device)

@@ -23,10 +23,11 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
 
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from miles.rl.advantages import gae_advantages, token_rewards
 from miles.rl.algorithm import AlgorithmConfig
@@ -42,6 +43,12 @@ LOGPROB_FLOOR = -100.0
 gradient instead of a nan from -inf - -inf."""
 WHITEN_EPS = 1e-8  # added to the std when whitening GAE advantages
 VARIANCE_FLOOR = 1e-12  # explained variance is 0 when the returns' variance is below this
+MATH_ATTENTION_WIDTH = 128
+"""On a CPU computing in bf16, model lines of at most this many tokens run torch's plain (math)
+attention kernel instead of its fused one. The fused kernel's bf16 forward + backward has a large
+fixed cost: 11-14 ms a layer on 1,280 tokens in lines of 32-128 (4 heads of 32), 1.8-3.5x the
+math kernel's; from 256 tokens, and in fp32 at every width, the fused kernel is faster
+(`benchmarks/bench_attention.py`; docs/benchmarks.md, "Attention kernels")."""
 
 
 @dataclass
@@ -53,6 +60,17 @@ class Prepared:
     old_values: torch.Tensor | None = None  # critic values before the update
     advantages: torch.Tensor | None = None  # per-token GAE advantages (whitened)
     returns: torch.Tensor | None = None  # GAE returns (value targets)
+
+
+def attention_kernel(device: torch.device, dtype: torch.dtype,
+                     width: int) -> AbstractContextManager:
+    """The scaled-dot-product-attention kernel for a forward over lines `width` tokens long:
+    the math kernel for short lines in bf16 on a CPU (`MATH_ATTENTION_WIDTH`), else torch's
+    choice. torch's kernel switches are process-wide: another thread's attention inside (the
+    embedded run's engine) runs the math kernel too, which computes the same attention."""
+    if device.type == "cpu" and dtype == torch.bfloat16 and width <= MATH_ATTENTION_WIDTH:
+        return sdpa_kernel([SDPBackend.MATH])
+    return nullcontext()
 
 
 @contextmanager
@@ -74,10 +92,11 @@ class Scorer:
     collective of the sharded model: every rank must make the same calls."""
 
     def __init__(self, model: torch.nn.Module, *, device: torch.device,
-                 reference: torch.nn.Module | None = None,
+                 dtype: torch.dtype = torch.float32, reference: torch.nn.Module | None = None,
                  value_model: torch.nn.Module | None = None):
         self.model = model  # the policy (under LoRA also the reference and the critic)
         self.device = device
+        self.dtype = dtype  # the models' compute dtype
         self.reference = reference  # full fine-tuning's frozen copy; None: disabled adapters
         self.value_model = value_model  # full fine-tuning's critic; None: the critic adapter
 
@@ -89,8 +108,9 @@ class Scorer:
 
     def forward(self, model: torch.nn.Module, batch: MicroBatch):
         input_ids, attention_mask, position_ids = self.inputs(batch)
-        return model(input_ids=input_ids, attention_mask=attention_mask,
-                     position_ids=position_ids, use_cache=False)
+        with attention_kernel(self.device, self.dtype, input_ids.shape[1]):
+            return model(input_ids=input_ids, attention_mask=attention_mask,
+                         position_ids=position_ids, use_cache=False)
 
     def processed(self, logits: torch.Tensor, batch: MicroBatch) -> torch.Tensor:
         """Logits of the distribution each target was sampled from, [R, T-1, V] (model

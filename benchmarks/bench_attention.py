@@ -1,0 +1,58 @@
+"""torch's fused CPU attention kernel against its math kernel, forward + backward, by line width.
+
+Run by hand (not a test), from the repository root:
+
+    python benchmarks/bench_attention.py [--threads 1]
+
+Each shape is a micro-batch of lines (R lines x T tokens, causal boolean mask [R, 1, T, T], as the
+learner's packed and shared-prompt lines), H heads of d; `scaled_dot_product_attention` forward
+and backward under `sdpa_kernel` pinned to one kernel, median of 5 after 2 warm-ups, in bf16 and
+fp32. It decides `miles.trainer.scoring.MATH_ATTENTION_WIDTH`; results in docs/benchmarks.md
+("Attention kernels").
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+SHAPES = [  # (T, R, H, d): the demo's lines (4 heads of 32) and a wider model's
+    (32, 40, 4, 32), (64, 20, 4, 32), (128, 10, 4, 32), (256, 5, 4, 32), (512, 4, 4, 32),
+    (2048, 1, 4, 32), (128, 8, 16, 64), (256, 4, 16, 64), (2048, 1, 16, 64)]
+KERNELS = {"fused": SDPBackend.FLASH_ATTENTION, "math": SDPBackend.MATH}
+
+
+def timed_ms(kernel: SDPBackend, dtype: torch.dtype, T: int, R: int, H: int, d: int) -> float:
+    q, k, v = (torch.randn(R, H, T, d, dtype=dtype, requires_grad=True) for _ in range(3))
+    mask = torch.ones(T, T, dtype=torch.bool).tril().expand(R, 1, T, T)
+    times = []
+    with sdpa_kernel([kernel]):
+        for i in range(7):
+            start = time.perf_counter()
+            F.scaled_dot_product_attention(q, k, v, attn_mask=mask).sum().backward()
+            if i >= 2:
+                times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e3
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--threads", type=int, default=1)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    print("| dtype | T | lines | heads x dim | fused ms | math ms | fused / math |")
+    print("|---|---:|---:|---|---:|---:|---:|")
+    for dtype in (torch.bfloat16, torch.float32):
+        for T, R, H, d in SHAPES:
+            ms = {name: timed_ms(kernel, dtype, T, R, H, d) for name, kernel in KERNELS.items()}
+            print(f"| {str(dtype).split('.')[1]} | {T} | {R} | {H} x {d} | {ms['fused']:.1f} | "
+                  f"{ms['math']:.1f} | {ms['fused'] / ms['math']:.2f} |")
+
+
+if __name__ == "__main__":
+    main()
