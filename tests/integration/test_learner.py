@@ -237,3 +237,21 @@ def test_repeated_steps_raise_the_logprob_of_the_rewarded_sample(model_dir):
     end = sample_logprobs()
     assert end[0] > start[0] + 0.5  # the rewarded sample became more likely
     assert all(e < s for e, s in zip(end[1:], start[1:]))  # the others less likely
+
+
+@pytest.mark.parametrize("factor", [0.5, 2.0])  # the clip fires / does not
+def test_clipping_sharded_gradients_matches_the_whole_gradients_norm(model_dir, factor):
+    from miles.trainer.learner import clip_norm
+
+    learner = Learner(model_dir, CONFIG, lora=LORA)
+    params = learner.actor_params
+    assert all(isinstance(p, DTensor) for p in params)
+    torch.manual_seed(0)
+    for p in params:
+        p.grad = torch.randn_like(p)
+    whole = [p.grad.full_tensor().clone() for p in params]
+    norm = math.sqrt(sum(float(g.double().norm()) ** 2 for g in whole))
+    assert clip_norm(params, factor * norm) == pytest.approx(norm, rel=1e-6)
+    scale = min(1.0, factor * norm / (norm + 1e-6))
+    for p, g in zip(params, whole):
+        assert_close(p.grad.full_tensor(), g * scale)
