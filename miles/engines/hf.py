@@ -21,6 +21,11 @@ Simplifications, chosen on purpose:
   shapes match, each tensor is copied in place into its live parameter, so a new version costs a
   tensor copy (peft's `set_peft_model_state_dict` walks the whole model on every call: 22 ms
   against 1 ms per load on the demo's model); an adapter of another shape is rejected, not rebuilt.
+- The adapter is merged into the base weights it adapts (`MergedLora`), so a forward makes one
+  matmul per adapted layer instead of three (the demo's generation: 56 -> 46 ms a batch). Each
+  load merges into a kept copy of the original weights, never into the previous merge, so no
+  rounding error builds up over versions; the copy costs the adapted layers' weights once more
+  in memory.
 - Full weights load only into an engine without LoRA.
 """
 
@@ -30,12 +35,15 @@ import inspect
 import json
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 from peft import LoraConfig, PeftModel, get_peft_model, get_peft_model_state_dict
+from peft.tuners.lora import LoraLayer
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -71,6 +79,7 @@ class HFEngine(TokenizedEngine):
             model = get_peft_model(model, lora_config(lora))
         self.model = model.to(self.device).eval()
         self._adapter = adapter_parameters(self.model) if lora is not None else {}
+        self._merged = MergedLora(self.model) if lora is not None else None
         self._eos_token_id = _required_token_id(self.tokenizer, "eos")
         self._pad_token_id = self.tokenizer.pad_token_id
         if self._pad_token_id is None:
@@ -132,7 +141,7 @@ class HFEngine(TokenizedEngine):
         state = _read_safetensors([adapter_dir / ADAPTER_WEIGHTS], self.device)
         with self._lock:
             _check_same_tensors(state, self._adapter, what="adapter")
-            with torch.no_grad():
+            with torch.no_grad(), self._merged.reloading():
                 for key, param in self._adapter.items():
                     param.copy_(state[key])
             self._policy_version = policy_version
@@ -182,6 +191,33 @@ def lora_config(lora: LoraSettings) -> LoraConfig:
     """The peft config of `lora`; adapters trained for this engine should be built with it."""
     return LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
                       target_modules=list(lora.target_modules), task_type="CAUSAL_LM")
+
+
+class MergedLora:
+    """The LoRA layers of `model` with their adapter merged into the base weights (peft's
+    `merge`): a forward skips the adapter's two matmuls. `reloading()` wraps a change of the
+    adapter's tensors: out of it, each base weight is its original (kept here) plus the new
+    adapter's update, so merges never compound."""
+
+    def __init__(self, model: PeftModel):
+        self.layers = [m for m in model.modules() if isinstance(m, LoraLayer)]
+        with torch.no_grad():
+            self.originals = [layer.get_base_layer().weight.detach().clone()
+                              for layer in self.layers]
+            self._merge()
+
+    @contextmanager
+    def reloading(self) -> Iterator[None]:
+        with torch.no_grad():
+            for layer, original in zip(self.layers, self.originals):
+                layer.unmerge()  # peft's bookkeeping; the weight is then restored exactly
+                layer.get_base_layer().weight.copy_(original)
+            yield
+            self._merge()
+
+    def _merge(self) -> None:
+        for layer in self.layers:
+            layer.merge()
 
 
 def adapter_parameters(model: PeftModel) -> dict[str, torch.nn.Parameter]:

@@ -207,6 +207,23 @@ def test_lora_adapter_hot_load(model_dir, prompts, tmp_path):
     assert not torch.allclose(last_logits(newer, prompts[0]), last_logits(trained, prompts[0]))
 
 
+def test_the_adapter_is_merged_and_reloads_do_not_compound(model_dir, tmp_path):
+    from peft.tuners.lora import LoraLayer
+
+    lora_engine = HFEngine(model_dir, lora=LORA)
+    layers = [m for m in lora_engine.model.modules() if isinstance(m, LoraLayer)]
+    assert layers and all(layer.merged for layer in layers)  # forwards skip the adapter
+    save_adapter(model_dir, tmp_path / "v1", LORA, seed=1)
+    save_adapter(model_dir, tmp_path / "v2", LORA, seed=2)
+    lora_engine.load_adapter(tmp_path / "v1", 1)
+    first = [layer.get_base_layer().weight.clone() for layer in layers]
+    for version in range(2, 12):  # v2, v1, v2, ..., v1
+        lora_engine.load_adapter(tmp_path / ("v2" if version % 2 == 0 else "v1"), version)
+    assert all(layer.merged for layer in layers)
+    assert all(torch.equal(layer.get_base_layer().weight, weight)  # bit for bit: no drift
+               for layer, weight in zip(layers, first))
+
+
 def test_mismatching_adapter_is_rejected_and_weights_kept(model_dir, prompts, tmp_path):
     lora_engine = HFEngine(model_dir, lora=LORA)
     save_adapter(model_dir, tmp_path / "v1", LORA, seed=1)
