@@ -206,7 +206,10 @@ class Evaluator:
                 self.producer_extra[beat.producer_id] = dict(beat.extra)
                 if "generate_s" in beat.extra:
                     self.producer_generate_s[beat.producer_id] = float(beat.extra["generate_s"])
-        while items := await self._control.poll(timeout_s=wait_s):  # until caught up
+        # wait once, then take only what is already there: waiting on every poll, a trainer
+        # announcing more often than `wait_s` kept this loop reading for as long as it ran
+        items = await self._control.poll(timeout_s=wait_s)
+        while items:
             for item in items:
                 why = self.verifier.refusal(item.value) or self._followed.refusal(item.value)
                 if why is not None:
@@ -215,6 +218,7 @@ class Evaluator:
                 self._followed.offer(item.value)
                 self.announced = item.value.policy_version
                 self._seen("version", item.value.created_at)
+            items = await self._control.poll(timeout_s=0)
 
     def _seen(self, kind: str, created_at: float) -> None:
         if math.isfinite(created_at):

@@ -174,3 +174,34 @@ async def test_the_evaluator_follows_a_resumed_trainer_and_ignores_a_fenced_one(
             await bus.publish(status, trainer_beat(1, generation=3))  # a newer trainer started
             assert await announce(5, generation=2) is None
             assert evaluator.engine.policy_version == 4 and evaluator.announced == 4
+
+
+async def test_the_evaluator_returns_while_versions_keep_coming(model_dir, versions):
+    """A trainer announcing faster than the evaluator's poll wait must not keep `read_topics`
+    reading forever: it takes what is there and returns (a Kafka demo's clock once waited 27 s
+    for it, and its run overran its max_seconds by as much)."""
+    from miles.evaluation import Evaluator
+
+    store, records = versions
+    run = "busy"
+    async with open_bus("embedded://") as bus:
+        await bus.create_topics(run_topics(run, prompt_partitions=1, trajectory_partitions=1))
+        control = topic_name(run, "control")
+        stop = asyncio.Event()
+
+        async def announce_every(seconds: float) -> None:
+            while not stop.is_set():
+                await bus.publish(control, encode(records[1]))
+                await asyncio.sleep(seconds)
+
+        async with Evaluator(bus, run, model_dir, LORA, [], every_s=60,
+                             weights=FollowConfig(store=store)) as evaluator:
+            announcing = asyncio.create_task(announce_every(0.05))
+            try:
+                began = time.monotonic()
+                await asyncio.wait_for(evaluator.read_topics(wait_s=0.2), timeout=3.0)
+                assert time.monotonic() - began < 1.0
+                assert evaluator.announced == 1
+            finally:
+                stop.set()
+                await announcing
