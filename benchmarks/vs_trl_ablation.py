@@ -49,6 +49,8 @@ LEVERS: dict[str, tuple[str, list[str]]] = {  # name: (side, Miles settings)
     "separate-prompts": ("miles", ["learner.share_prompts=false"]),  # a copy of the prompt per
     # sample instead of one per group
     "compile": ("miles", ["learner.compile=true"]),
+    "dynamic-sampling": ("miles", ["learner.algorithm.dynamic_sampling=true"]),  # DAPO's: only
+    # groups with unequal rewards fill a step (the producer, idle half the time, makes more)
 }
 
 
