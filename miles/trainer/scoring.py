@@ -106,9 +106,15 @@ class Scorer:
         return (batch.input_ids.to(self.device), None if mask is None else mask.to(self.device),
                 batch.position_ids.to(self.device))
 
+    def attention(self, batch: MicroBatch) -> AbstractContextManager:
+        """The attention kernel for `batch`'s forwards (`attention_kernel`). A backward that
+        recomputes activations (activation checkpointing) must run inside it too: a recompute
+        under another kernel saves other tensors, which torch's checkpoint refuses."""
+        return attention_kernel(self.device, self.dtype, batch.input_ids.shape[1])
+
     def forward(self, model: torch.nn.Module, batch: MicroBatch):
         input_ids, attention_mask, position_ids = self.inputs(batch)
-        with attention_kernel(self.device, self.dtype, input_ids.shape[1]):
+        with self.attention(batch):
             return model(input_ids=input_ids, attention_mask=attention_mask,
                          position_ids=position_ids, use_cache=False)
 
