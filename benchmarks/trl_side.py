@@ -5,12 +5,12 @@ way Miles measures itself. Run with the TRL environment's python (`scripts/trl_e
         --seconds 120 --seed 0 --out runs/vs-trl/trl-seed0.json [--set KEY=VALUE ...]
 
 What is the same as `miles demo` (embedded): the warm-started checkpoint (passed in), the train
-prompts (`load_problems("arithmetic", "train")`, two passes), the reward (Miles' `exact_match` on
-the decoded completion, cut at EOS, against the answer), LoRA (`miles.engines.hf.lora_config` of
-r=16, alpha=32 on all seven projections), the learning rate and AdamW settings, 32 prompts x 8
-samples per optimizer step, 5 new tokens at temperature 1, no KL term, group-normalised
-advantages, token-mean loss, bf16 compute where Miles' `precision=auto` picks it (fp32 weights
-and optimizer), torch's default threads. Every other GRPOConfig field keeps
+prompts (`load_problems("arithmetic", "train")`, the demo's passes), the reward (Miles'
+`exact_match` on the decoded completion, cut at EOS, against the answer), LoRA
+(`miles.engines.hf.lora_config` of r=16, alpha=32 on all seven projections), the learning rate and
+AdamW settings, 32 prompts x 8 samples per optimizer step, 5 new tokens at temperature 1, no KL
+term, group-normalised advantages, token-mean loss, bf16 compute where Miles' `precision=auto`
+picks it (fp32 weights and optimizer), torch's default threads. Every other GRPOConfig field keeps
 TRL's default; `TRL_SETTINGS` lists each field set here and why (`--set` overrides any).
 
 Held-out evaluation is Miles' own and happens after the run (`heldout_curve`): a copy of
@@ -44,13 +44,13 @@ from heldout_curve import evaluate, grid, newest_at
 from miles.engines.base import LoraSettings
 from miles.engines.hf import HFEngine, adapter_parameters, lora_config
 from miles.evaluation import greedy_accuracy
+from miles.demo import DemoConfig
 from miles.run import RunConfig
 from miles.tasks.datasets import load_problems
 from miles.tasks.rewards import exact_match
 from miles.trainer.precision import compute_dtype
 
 DEMO = RunConfig()  # the demo's RL settings (`miles.demo.DemoConfig` adds only run bounds)
-EPOCHS = 2  # DemoConfig.epochs
 TRL_SETTINGS: dict[str, object] = {
     "learning_rate": DEMO.learner.lr,  # TRL default 1e-6 (full fine-tuning of large models);
     # Miles' LoRA rate 1e-3 here, so the optimizer is the same on both sides
@@ -66,7 +66,8 @@ TRL_SETTINGS: dict[str, object] = {
     # step: 32 prompts x 8 = Miles' groups_per_step x n (TRL default 8); generation batch and
     # gradient accumulation (1) keep their defaults, so one generation feeds one update
     "temperature": DEMO.sampling.temperature,  # 1.0 (TRL's default too)
-    "num_train_epochs": EPOCHS,  # two passes, as the demo feeds (the budget ends first)
+    "num_train_epochs": DemoConfig().epochs,  # the passes the demo feeds (the budget ends
+    # first)
     "max_grad_norm": DEMO.learner.grad_clip,  # 1.0 (TRL's default too)
     "logging_steps": 1,  # TRL default 10; every step's reward kept for the run's record
     "save_strategy": "no",  # no checkpoints (the demo writes none during the run either)

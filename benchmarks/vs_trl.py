@@ -1,8 +1,9 @@
 """Miles against TRL's `GRPOTrainer` on the demo's task: held-out accuracy over wall time.
 
     python3 scripts/trl_env.py                # once: the TRL environment (~/.cache/miles/trl-env)
-    python3 benchmarks/vs_trl.py --seeds 3 --seconds 120 --sides miles,miles-kafka,trl \
-        --out runs/vs-trl [--bus kafka://HOST:PORT] [--cpus 0,1] [--trl-set KEY=VALUE ...]
+    python3 benchmarks/vs_trl.py --seeds 3 [--first-seed 0] --seconds 120 \
+        --sides miles,miles-kafka,trl --out runs/vs-trl [--bus kafka://HOST:PORT] [--cpus 0,1] \
+        [--trl-set KEY=VALUE ...]
 
 Every run is a subprocess of the TRL environment's python (`--python`), so all sides run the
 same torch and transformers. The runs are interleaved, seed by seed and side by side (seed 0:
@@ -291,7 +292,9 @@ def _num(value: float | None) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--seeds", type=int, default=3, help="seeds 0..N-1")
+    parser.add_argument("--seeds", type=int, default=3, help="N seeds: FIRST..FIRST+N-1")
+    parser.add_argument("--first-seed", type=int, default=0, help="FIRST (another round's "
+                                                                   "seeds: --first-seed 3)")
     parser.add_argument("--seconds", type=float, default=120.0, help="RL wall-clock budget")
     parser.add_argument("--sides", default=",".join(SIDES))
     parser.add_argument("--out", type=Path, default=Path("runs/vs-trl"))
@@ -306,7 +309,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--trl-set", dest="trl_sets", action="append", default=[],
                         metavar="KEY=VALUE", help="a GRPOConfig field of the TRL side")
     args = parser.parse_args(argv)
-    args.seeds = list(range(args.seeds))
+    args.seeds = list(range(args.first_seed, args.first_seed + args.seeds))
     args.sides = [s for s in args.sides.split(",") if s]
     unknown = set(args.sides) - set(SIDES)
     if unknown:
