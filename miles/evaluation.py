@@ -206,19 +206,26 @@ class Evaluator:
                 self.producer_extra[beat.producer_id] = dict(beat.extra)
                 if "generate_s" in beat.extra:
                     self.producer_generate_s[beat.producer_id] = float(beat.extra["generate_s"])
-        # wait once, then take only what is already there: waiting on every poll, a trainer
-        # announcing more often than `wait_s` kept this loop reading for as long as it ran
-        items = await self._control.poll(timeout_s=wait_s)
-        while items:
+        # up to the control topic's end as it stands now: reading until a poll comes back
+        # empty never returned while a trainer announced more often than `wait_s`, and taking
+        # only what the client had fetched fell behind a fast trainer until every version it
+        # saw was pruned
+        consumer = self._control.consumer
+        ends = await consumer.end_offsets(consumer.assignment())
+        while items := await self._control.poll(timeout_s=wait_s):
             for item in items:
-                why = self.verifier.refusal(item.value) or self._followed.refusal(item.value)
-                if why is not None:
-                    log.info("evaluation ignores version %d: %s", item.value.policy_version, why)
-                    continue
-                self._followed.offer(item.value)
-                self.announced = item.value.policy_version
-                self._seen("version", item.value.created_at)
-            items = await self._control.poll(timeout_s=0)
+                self._offer(item.value)
+            if all([await consumer.position(tp) >= end for tp, end in ends.items()]):
+                break
+
+    def _offer(self, version: WeightVersion) -> None:
+        why = self.verifier.refusal(version) or self._followed.refusal(version)
+        if why is not None:
+            log.info("evaluation ignores version %d: %s", version.policy_version, why)
+            return
+        self._followed.offer(version)
+        self.announced = version.policy_version
+        self._seen("version", version.created_at)
 
     def _seen(self, kind: str, created_at: float) -> None:
         if math.isfinite(created_at):
