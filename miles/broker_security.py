@@ -19,6 +19,7 @@ ACLs per role. Passwords are random, made once, and kept with the CA path in `se
 from __future__ import annotations
 
 import json
+import os
 import secrets
 import subprocess
 from dataclasses import asdict, dataclass
@@ -34,6 +35,7 @@ SCRAM_MECHANISMS = ("SCRAM-SHA-512", "SCRAM-SHA-256")
 KEY_BITS = 2048
 CERT_DAYS = 3650
 KEYTOOL_TIMEOUT_S = 60.0
+STORE_PASSWORD_ENV = "MILES_KEYSTORE_PASSWORD"  # keytool reads the store password from it
 SECURITY_FILE = "security.json"
 PLAIN_LOGIN = "org.apache.kafka.common.security.plain.PlainLoginModule"
 SCRAM_LOGIN = "org.apache.kafka.common.security.scram.ScramLoginModule"
@@ -113,9 +115,14 @@ def client_security(data_dir: Path, user: str = ADMIN_USER,
 
 
 
-def _keytool(*args: str) -> None:
+def _keytool(password: str, *args: str) -> None:
+    """keytool on a PKCS12 store whose password it reads from its environment
+    (`-storepass:env`): on the command line, a generated password starting "-J" was taken by
+    keytool's launcher for a JVM option, and any process could read it there."""
+    store = ["-storetype", "PKCS12", "-storepass:env", STORE_PASSWORD_ENV]
     try:
-        result = subprocess.run(["keytool", *args], capture_output=True, text=True,
+        result = subprocess.run(["keytool", *args, *store], capture_output=True, text=True,
+                                env={**os.environ, STORE_PASSWORD_ENV: password},
                                 timeout=KEYTOOL_TIMEOUT_S)
     except FileNotFoundError:
         raise BrokerError("the JDK's `keytool` is needed for --secure (it ships with Java; "
@@ -128,26 +135,23 @@ def _make_tls(tls_dir: Path, password: str) -> Path:
     """A CA, the broker's PKCS12 keystore signed by it, a truststore; returns the CA's PEM."""
     tls_dir.mkdir(parents=True, exist_ok=True)
     ca, broker = str(tls_dir / "ca.p12"), str(tls_dir / "broker.p12")
-    store = ["-storetype", "PKCS12", "-storepass", password]
+    ca_pem, csr, signed = (str(tls_dir / name) for name in ("ca.pem", "broker.csr", "broker.pem"))
     names = "SAN=dns:localhost,ip:127.0.0.1"
     key = ["-keyalg", "RSA", "-keysize", str(KEY_BITS), "-validity", str(CERT_DAYS)]
-    _keytool("-genkeypair", "-alias", "ca", "-dname", "CN=Miles local CA", "-ext", "bc:c",
-             *key, "-keystore", ca, *store)
-    _keytool("-exportcert", "-rfc", "-alias", "ca", "-file", str(tls_dir / "ca.pem"),
-             "-keystore", ca, *store)
-    _keytool("-genkeypair", "-alias", "broker", "-dname", "CN=localhost", "-ext", names, *key,
-             "-keystore", broker, *store)
-    _keytool("-certreq", "-alias", "broker", "-file", str(tls_dir / "broker.csr"),
-             "-keystore", broker, *store)
-    _keytool("-gencert", "-alias", "ca", "-rfc", "-ext", names, "-validity", str(CERT_DAYS),
-             "-infile", str(tls_dir / "broker.csr"), "-outfile", str(tls_dir / "broker.pem"),
-             "-keystore", ca, *store)
-    _keytool("-importcert", "-noprompt", "-alias", "ca", "-file", str(tls_dir / "ca.pem"),
-             "-keystore", broker, *store)
-    _keytool("-importcert", "-noprompt", "-alias", "broker", "-file",
-             str(tls_dir / "broker.pem"), "-keystore", broker, *store)
-    _keytool("-importcert", "-noprompt", "-alias", "ca", "-file", str(tls_dir / "ca.pem"),
-             "-keystore", str(tls_dir / "truststore.p12"), *store)
+    _keytool(password, "-genkeypair", "-alias", "ca", "-dname", "CN=Miles local CA",
+             "-ext", "bc:c", *key, "-keystore", ca)
+    _keytool(password, "-exportcert", "-rfc", "-alias", "ca", "-file", ca_pem, "-keystore", ca)
+    _keytool(password, "-genkeypair", "-alias", "broker", "-dname", "CN=localhost",
+             "-ext", names, *key, "-keystore", broker)
+    _keytool(password, "-certreq", "-alias", "broker", "-file", csr, "-keystore", broker)
+    _keytool(password, "-gencert", "-alias", "ca", "-rfc", "-ext", names,
+             "-validity", str(CERT_DAYS), "-infile", csr, "-outfile", signed, "-keystore", ca)
+    _keytool(password, "-importcert", "-noprompt", "-alias", "ca", "-file", ca_pem,
+             "-keystore", broker)
+    _keytool(password, "-importcert", "-noprompt", "-alias", "broker", "-file", signed,
+             "-keystore", broker)
+    _keytool(password, "-importcert", "-noprompt", "-alias", "ca", "-file", ca_pem,
+             "-keystore", str(tls_dir / "truststore.p12"))
     for secret_file in tls_dir.glob("*.p12"):
         secret_file.chmod(0o600)
     return tls_dir / "ca.pem"
