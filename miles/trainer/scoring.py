@@ -107,7 +107,8 @@ class Scorer:
                 batch.position_ids.to(self.device))
 
     def attention(self, batch: MicroBatch) -> AbstractContextManager:
-        """The attention kernel for `batch`'s forwards (`attention_kernel`). A backward that
+        """The attention kernel for `batch`'s forwards, the critic's too (`attention_kernel`),
+        so a value scored before the update and the one trained match. A backward that
         recomputes activations (activation checkpointing) must run inside it too: a recompute
         under another kernel saves other tensors, which torch's checkpoint refuses."""
         return attention_kernel(self.device, self.dtype, batch.input_ids.shape[1])
@@ -150,10 +151,11 @@ class Scorer:
 
     def values(self, batch: MicroBatch) -> torch.Tensor:
         """Critic values of the states that predict each target, [B, L-1]."""
-        if self.value_model is not None:
-            values = self.value_model(*self.inputs(batch))  # [R, T]
-        else:
-            values = critic.values(self.model, *self.inputs(batch))  # [R, T]
+        with self.attention(batch):
+            if self.value_model is not None:
+                values = self.value_model(*self.inputs(batch))  # [R, T]
+            else:
+                values = critic.values(self.model, *self.inputs(batch))  # [R, T]
         return batch.unpack(values[:, :-1].float())
 
 
