@@ -205,7 +205,11 @@ async def test_single_turn_through_the_runner_is_todays_sample(engine):
         for record, completion in zip(group, completions):
             sample = record.sample(compact=True)
             np.testing.assert_array_equal(sample.response_token_ids, completion.token_ids)
-            np.testing.assert_array_equal(sample.logprobs, completion.logprobs)
+            # the same tokens; logprobs to fp32 rounding: the runner asks for 6 prompts of one
+            # sample each, this call for 2 prompts of 3, and a CPU's matmul need not give the
+            # same bits for other shapes (5e-7 apart on a Xeon with AMX)
+            np.testing.assert_allclose(sample.logprobs, completion.logprobs, rtol=1e-6,
+                                       atol=1e-6)
             np.testing.assert_array_equal(sample.versions, np.zeros(len(completion.token_ids)))
             assert sample.finish_reason == completion.finish_reason
             text = engine.decode(completion.token_ids)
