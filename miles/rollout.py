@@ -522,6 +522,9 @@ class RolloutWorker:
             self.trainer.consumed = int(beat.extra.get("consumed", 0))
 
     async def _heartbeat_loop(self, stop: asyncio.Event) -> None:
+        """One heartbeat at once (the engine is built: a run's clock can start), then one every
+        `heartbeat_s`."""
+        await self._heartbeat()
         while not await wait_or_stop(stop, self.config.heartbeat_s):
             await self._heartbeat()
 

@@ -130,18 +130,19 @@ async def run_processes(config: RunConfig, model_dir: Path, evaluator: Evaluator
     """Producers and trainer (and with `fanout` the evaluator and recorder daemons) as separate
     processes on Kafka, until a bound is met; the clock starts when the trainer has announced
     a version and a producer, its engine built, has sent its first heartbeat. A daemon that
-    exits before then, or a producer that exits at all, fails the run (see its log)."""
+    exits before then (the trainer: with an error), or a producer that exits at all, fails the
+    run (see its log)."""
     processes = start_daemons(config, model_dir)
     try:
         async with RunWatch(evaluator.bus, config.run, config.weights().public_key,
                             on_beat) as watch:
             spawned, spawned_at = time.monotonic(), time.time()
-            await watch.until_started(evaluator, stop, lambda: exited(processes))
+            trainer_done = lambda: processes["trainer"].poll() is not None  # noqa: E731
+            await watch.until_started(evaluator, stop, lambda: exited(processes), trainer_done)
             # the clock starts when the daemons were ready (as they sent it, not when read here);
             # max_seconds counts from when it was read, so RL lasts at least that long
             started_at = min(max(evaluator.ready_at(), spawned_at), time.time())
             started = time.monotonic() - (time.time() - started_at)
-            trainer_done = lambda: processes["trainer"].poll() is not None  # noqa: E731
             async with asyncio.TaskGroup() as tasks:
                 tasks.create_task(evaluator.follow(stop, started))
                 ended = await watch.until_done(stop, config.max_seconds, trainer_done,

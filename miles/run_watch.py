@@ -64,10 +64,16 @@ class RunWatch:
                     self.on_beat(self.trainer)
 
     async def until_started(self, evaluator: Evaluator, stop: asyncio.Event,
-                            failed: Callable[[], str | None] = lambda: None) -> None:
+                            failed: Callable[[], str | None] = lambda: None,
+                            trainer_done: Callable[[], bool] = lambda: False) -> None:
         """Until the trainer has announced a version and some producer has sent a heartbeat
-        (it does once its engine is built); before the evaluator follows the run."""
+        (it does once its engine is built), or the trainer has exited (a short or resumed run
+        can meet `max_steps` before this process reads either); before the evaluator follows
+        the run."""
         while not stop.is_set() and (evaluator.announced < 0 or not evaluator.producers_seen):
+            if trainer_done():
+                await evaluator.read_topics()  # what the daemons said before it exited
+                return
             _raise_if(failed())
             await evaluator.read_topics(wait_s=0.2)
 
