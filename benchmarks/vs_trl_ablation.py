@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import statistics
 import subprocess
@@ -22,6 +23,7 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+CORES = len(os.sched_getaffinity(0))
 LEVERS: dict[str, tuple[str, list[str]]] = {  # name: (side, Miles settings)
     "defaults": ("miles", []),
     "before-issue-21": ("miles", ["learner.precision=fp32", "eval_every_s=10",
@@ -31,6 +33,8 @@ LEVERS: dict[str, tuple[str, list[str]]] = {  # name: (side, Miles settings)
     "threads-2-each": ("miles", ["torch_threads=2"]),  # engine and learner each on torch's
     # default pool of both cores, in one process (the default before torch_threads)
     "synchronous": ("miles", ["max_staleness=0"]),
+    # on-policy, the engine and the learner taking turns, each on every core
+    "synchronous-all-cores": ("miles", ["max_staleness=0", f"torch_threads={CORES}"]),
     "staleness-2": ("miles", ["max_staleness=2"]),
     "eval-in-run": ("miles", ["eval_every_s=10", "eval_after_run=false"]),  # the evaluator
     # measuring during the run, on the critical path (the demo's default until issue 21)
