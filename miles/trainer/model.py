@@ -23,6 +23,7 @@ Simplifications:
 from __future__ import annotations
 
 import logging
+import weakref
 from dataclasses import replace
 from pathlib import Path
 
@@ -285,7 +286,6 @@ def export_adapter(model: nn.Module, out_dir: str | Path) -> Path | None:
     A collective: every rank must call it; the full (unsharded) adapter is gathered to CPU and
     rank 0 writes it. Returns `out_dir` on rank 0, None elsewhere.
     """
-    from peft import get_peft_model_state_dict
     from safetensors.torch import save_file
 
     if not hasattr(model, "peft_config"):
@@ -293,14 +293,31 @@ def export_adapter(model: nn.Module, out_dir: str | Path) -> Path | None:
     trained = gathered_trainable(model)
     if not distributed.is_main():
         return None
-    adapter = get_peft_model_state_dict(model, state_dict=trained, adapter_name=ADAPTER_NAME,
-                                        save_embedding_layers=False)
+    adapter = {key: trained[name] for name, key in adapter_keys(model, trained).items()}
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     save_file({name: tensor.contiguous() for name, tensor in adapter.items()},
               str(out_dir / "adapter_model.safetensors"), metadata={"format": "pt"})
     replace(model.peft_config[ADAPTER_NAME], inference_mode=True).save_pretrained(str(out_dir))
     return out_dir
+
+
+def adapter_keys(model: nn.Module, trained: dict[str, torch.Tensor]) -> dict[str, str]:
+    """The key in peft's adapter file of each of `trained`'s parameters that go in it: peft's
+    own mapping (`get_peft_model_state_dict`), worked out once per model (it took 4 ms, 40% of
+    the demo's export, on every version)."""
+    from peft import get_peft_model_state_dict
+
+    keys = _ADAPTER_KEYS.get(model)
+    if keys is None:
+        adapter = get_peft_model_state_dict(model, state_dict=trained, adapter_name=ADAPTER_NAME,
+                                            save_embedding_layers=False)
+        names = {id(tensor): name for name, tensor in trained.items()}
+        keys = _ADAPTER_KEYS[model] = {names[id(tensor)]: key for key, tensor in adapter.items()}
+    return keys
+
+
+_ADAPTER_KEYS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def gathered_trainable(model: nn.Module) -> dict[str, torch.Tensor]:
