@@ -210,8 +210,8 @@ class MergedLora:
     def reloading(self) -> Iterator[None]:
         with torch.no_grad():
             for layer, original in zip(self.layers, self.originals):
-                # restored exactly; peft's `unmerge` would first compute the delta only to
-                # subtract it (a third of a hot-load here)
+                # restored exactly; peft's `unmerge` would first compute the delta only for
+                # this copy to overwrite it
                 layer.get_base_layer().weight.copy_(original)
                 layer.merged_adapters.clear()  # peft's bookkeeping of what is merged
             yield

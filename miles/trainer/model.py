@@ -91,23 +91,23 @@ def load_policy(model_dir: str | Path, *, lora: LoraSettings | None,
     return model, tokenizer
 
 
-def fuse_lora_forwards(model: nn.Module) -> int:
+def fuse_lora_forwards(model: nn.Module) -> None:
     """Give each of `model`'s peft LoRA linears the forward of `fused_lora_forward` (the same
-    function as peft's, in fewer ops); how many."""
+    function as peft's, in fewer ops)."""
     from peft.tuners.lora.layer import Linear
 
-    linears = [m for m in model.modules() if type(m) is Linear]
-    for module in linears:
-        module.forward = fused_lora_forward.__get__(module)
-    return len(linears)
+    for module in model.modules():
+        if type(module) is Linear:
+            module.forward = fused_lora_forward.__get__(module)
 
 
 def fused_lora_forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
     """peft's `lora.Linear.forward` where one plain LoRA adapter is active: `base(x) + s * B(A(x))`
     with `s` applied at the rank's width and the product accumulated into the base output by
     one `addmm`. peft scales and adds at the output's width, in separate ops: in a bf16 step of
-    the demo's model those were about an eighth of the time. Any other case (adapters disabled or merged,
-    several active, a LoRA variant or bias, mixed dtypes, extra arguments) runs peft's own."""
+    the demo's model those were about an eighth of the time. Any other case (adapters disabled
+    or merged, several active, a LoRA variant or bias, mixed dtypes, extra arguments) runs
+    peft's own."""
     names = [a for a in self.active_adapters if a in self.lora_A]
     if (args or kwargs or self.disable_adapters or self.merged or len(names) != 1
             or names[0] in self.lora_variant or self.lora_B[names[0]].bias is not None

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from miles.engines.base import LoraSettings
-from miles.trainer.model import fused_lora_forward, load_policy
+from miles.trainer.model import fuse_lora_forwards, load_policy
 
 
 def lora_linears(model):
@@ -20,11 +20,6 @@ def lora_linears(model):
 def peft_forward(model) -> None:
     for module in lora_linears(model):
         module.__dict__.pop("forward", None)
-
-
-def fused_forward(model) -> None:
-    for module in lora_linears(model):
-        module.forward = fused_lora_forward.__get__(module)
 
 
 def step(model, ids: torch.Tensor, seed: int = 0) -> tuple[torch.Tensor, dict]:
@@ -116,5 +111,5 @@ def test_a_lora_bias_runs_peft_forward(model_dir):
     ids = torch.randint(3, 30, (2, 7))
     with torch.no_grad():
         reference = model(input_ids=ids).logits
-        fused_forward(model)
+        fuse_lora_forwards(model)
         torch.testing.assert_close(model(input_ids=ids).logits, reference)
