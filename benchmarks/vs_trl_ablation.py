@@ -43,7 +43,11 @@ LEVERS: dict[str, tuple[str, list[str]]] = {  # name: (side, Miles settings)
     "groups-64": ("miles", ["groups_per_step=64"]),
     "samples-4": ("miles", ["sampling.n=4"]),
     "samples-16": ("miles", ["sampling.n=16"]),
+    "mini-batches-2": ("miles", ["learner.algorithm.mini_batches=2"]),  # two updates per batch,
+    # each on half its groups: the same compute, twice the updates
     "lr-5e-4": ("miles", ["learner.lr=5e-4"]),
+    "lr-1.5e-3": ("miles", ["learner.lr=1.5e-3"]),
+    "adam-beta2-0.99": ("miles", ["learner.betas=0.9,0.99"]),  # a shorter second-moment memory
     "lr-2e-3": ("miles", ["learner.lr=2e-3"]),
     "lora-r64": ("miles", ["lora.r=64", "lora.alpha=128"]),  # the same alpha / r
     "full-finetune": ("miles", ["lora=none", "learner.lr=1e-4"]),
