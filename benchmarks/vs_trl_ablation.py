@@ -48,9 +48,14 @@ LEVERS: dict[str, tuple[str, list[str]]] = {  # name: (side, Miles settings)
     "lr-5e-4": ("miles", ["learner.lr=5e-4"]),
     "lr-1.5e-3": ("miles", ["learner.lr=1.5e-3"]),
     "adam-beta2-0.99": ("miles", ["learner.betas=0.9,0.99"]),  # a shorter second-moment memory
+    "lora-plus-4": ("miles", ["learner.lora_plus_ratio=4"]),  # LoRA+: B at 4x the rate
+    "lora-plus-16": ("miles", ["learner.lora_plus_ratio=16"]),
     "lr-2e-3": ("miles", ["learner.lr=2e-3"]),
     "lora-r64": ("miles", ["lora.r=64", "lora.alpha=128"]),  # the same alpha / r
     "full-finetune": ("miles", ["lora=none", "learner.lr=1e-4"]),
+    "full-finetune-2e-4": ("miles", ["lora=none", "learner.lr=2e-4"]),
+    "full-finetune-4e-4": ("miles", ["lora=none", "learner.lr=4e-4"]),
+    "full-finetune-6e-4": ("miles", ["lora=none", "learner.lr=6e-4"]),
     "padded": ("miles", ["learner.sequence_packing=false"]),
     "train-zero-advantage": ("miles", ["learner.skip_zero_advantage=false"]),  # equal-reward
     # groups forwarded and backpropagated for terms that are exactly 0

@@ -58,7 +58,7 @@ from miles.trainer import critic, distributed
 from miles.trainer.batching import (MicroBatch, idle_micro_batch, loss_normalisers,
                                     make_micro_batches, outcome_advantages)
 from miles.trainer.kl_penalty import KLPenalty
-from miles.trainer.model import (PRECISIONS, LoraSettings, apply_fsdp,
+from miles.trainer.model import (PRECISIONS, LoraSettings, apply_fsdp, is_lora_b,
                                  enable_activation_checkpointing, export_adapter, export_full,
                                  fsdp_policies, load_policy, materialise_sharded,
                                  packing_supported, shared_prompts_supported, trainable_names)
@@ -86,6 +86,8 @@ class LearnerConfig:
 
     lr: float = 1e-4  # AdamW learning rate (LoRA tolerates ~10x the full fine-tuning rate)
     critic_lr: float = 0.0  # learning rate of the critic adapter and value head (0: lr)
+    lora_plus_ratio: float = 1.0  # LoRA+ (Hayou et al., 2024): LoRA's B matrices learn at this
+    # multiple of their role's learning rate (A, biases and heads at the rate itself)
     weight_decay: float = 0.0  # AdamW decoupled weight decay
     betas: tuple[float, float] = (0.9, 0.999)  # AdamW moment decay rates
     adam_eps: float = 1e-8  # AdamW denominator epsilon
@@ -116,6 +118,8 @@ class LearnerConfig:
         checks = [
             (self.lr > 0, f"lr must be > 0, got {self.lr}"),
             (self.critic_lr >= 0, f"critic_lr must be >= 0, got {self.critic_lr}"),
+            (self.lora_plus_ratio > 0,
+             f"lora_plus_ratio must be > 0, got {self.lora_plus_ratio}"),
             (self.weight_decay >= 0,
              f"weight_decay must be >= 0, got {self.weight_decay}"),
             (len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas),
@@ -195,8 +199,9 @@ class Learner:
                 module.set_force_sum_reduction_for_comms(True)  # plain SUM: gloo has no PREMUL_SUM
         self.params = [p for p in self.trained.parameters() if p.requires_grad]
         groups = self._param_groups()
-        self.actor_params = groups[0]["params"]  # clipped apart from the critic's (if any)
-        self.critic_params = groups[1]["params"] if len(groups) > 1 else []
+        # the actor's and the critic's (if any) gradients are clipped apart
+        self.actor_params = [p for g in groups if g["role"] == "actor" for p in g["params"]]
+        self.critic_params = [p for g in groups if g["role"] == "critic" for p in g["params"]]
         # fused: one kernel for all tensors. torch's default on a CPU loops over them, costly on
         # sharded (DTensor) parameters (10.6 ms a step for the demo's 56 LoRA tensors; 1.8 with
         # foreach); and every DTensor op's first call pays a sharding propagation, about 0.23 s
@@ -231,14 +236,28 @@ class Learner:
         return model if self.config.sharded_load else model.to(self.device)
 
     def _param_groups(self) -> list[dict]:
-        if not self.algorithm.uses_critic:
-            return [{"params": self.params}]
-        names = dict(self.trained.named_parameters())
-        critic_names = {n for n in names if critic.is_critic_parameter(n)}
-        actor = [p for n, p in names.items() if p.requires_grad and n not in critic_names]
-        value = [p for n, p in names.items() if p.requires_grad and n in critic_names]
-        return [{"params": actor},
-                {"params": value, "lr": self.config.critic_lr or self.config.lr}]
+        """The optimizer's groups, each tagged with its role: the actor's parameters at `lr`,
+        the critic's (if any) at `critic_lr`; under LoRA+ each role's B matrices in a group of
+        their own at `lora_plus_ratio` times the role's rate."""
+        config = self.config
+        roles = {"actor": config.lr}
+        if self.algorithm.uses_critic:
+            roles["critic"] = config.critic_lr or config.lr
+        trained = [(n, p) for n, p in self.trained.named_parameters() if p.requires_grad]
+
+        def role_of(name: str) -> str:
+            return "critic" if len(roles) > 1 and critic.is_critic_parameter(name) else "actor"
+
+        groups = []
+        for role, lr in roles.items():
+            mine = [(n, p) for n, p in trained if role_of(n) == role]
+            fast = config.lora_plus_ratio != 1.0
+            rest = [p for n, p in mine if not (fast and is_lora_b(n))]
+            lora_b = [p for n, p in mine if fast and is_lora_b(n)]
+            groups.append({"params": rest, "lr": lr, "role": role})
+            if lora_b:
+                groups.append({"params": lora_b, "lr": lr * config.lora_plus_ratio, "role": role})
+        return groups
 
     # -- scoring ------------------------------------------------------------------------------
 
@@ -323,7 +342,8 @@ class Learner:
             self.scorer, slices, self.algorithm, self.kl,
             proximal=self.updates_per_step(len(groups)) > 1)
         train_actor = self.steps >= self.algorithm.critic_warmup_steps
-        self.trained.train()
+        if not self.trained.training:  # a walk of every module (`evaluating` restores the
+            self.trained.train()  # whole tree's mode, so the root's flag speaks for it)
         sums: dict[str, torch.Tensor] = {}
         norms = []
         for _ in range(self.algorithm.ppo_epochs if apply else 1):

@@ -259,6 +259,11 @@ def shared_prompts_supported(model: nn.Module, device: torch.device) -> bool:
     return _same_logits(model, shared, expected)
 
 
+def is_lora_b(name: str) -> bool:
+    """Whether the parameter called `name` is a LoRA adapter's B (up-projection) matrix."""
+    return "lora_B" in name.split(".")
+
+
 def trainable_names(model: nn.Module) -> set[str]:
     """Fully qualified names of the parameters the optimizer updates."""
     return {name for name, param in model.named_parameters() if param.requires_grad}
