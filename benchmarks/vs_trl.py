@@ -35,6 +35,7 @@ import argparse
 import asyncio
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -173,6 +174,7 @@ def run_miles(python: Path, side: str, seed: int, seconds: float, model_dir: Pat
         subprocess.run([str(python), str(REPO / "benchmarks" / "heldout_curve.py"),
                         "--model-dir", str(model_dir), "--run-dir", str(run_dir)], check=True,
                        cwd=REPO, stdout=log, stderr=subprocess.STDOUT, preexec_fn=_affinity(cpus))
+    shutil.rmtree(run_dir / "weights")  # every version, measured (GBs under full fine-tuning)
     report = json.loads((run_dir / "report.json").read_text())
     report["curve"] = json.loads((run_dir / "heldout_curve.json").read_text())["curve"]
     metrics_path = run_dir / "metrics.jsonl"

@@ -325,7 +325,8 @@ class TrainerLoop:
         self.runner.fence.check()
         payload = pack_step([g.record.value for g in batch["trained"]], checkpoint=False,
                             meta={"step": self.step})
-        result = await self._blocking(self.runner.step, payload)
+        result = await self._blocking(self.runner.step, payload,
+                                      [g.value for g in batch["trained"]])
         await self._dead_letter_failed(batch, result.failed)
         self._count(batch, version)
         self.runner.fence.check()

@@ -36,9 +36,13 @@ def pack_step(groups: list[bytes], *, checkpoint: bool, meta: dict) -> bytes:
                          use_bin_type=True)
 
 
-def unpack_step(payload: bytes) -> tuple[list[TrajectoryGroup], bool, dict]:
+def unpack_step(payload: bytes, groups: list[TrajectoryGroup] | None = None
+                ) -> tuple[list[TrajectoryGroup], bool, dict]:
+    """The step message's groups (`groups` when the caller already decoded them: rank 0),
+    whether to checkpoint, and its meta."""
     message = msgpack.unpackb(payload, raw=False)
-    groups = [decode(raw, TrajectoryGroup) for raw in message["groups"]]
+    if groups is None:
+        groups = [decode(raw, TrajectoryGroup) for raw in message["groups"]]
     return groups, message["checkpoint"], message["meta"]
 
 
@@ -109,14 +113,17 @@ class StepRunner:
         if distributed.any_rank(error is not None):
             raise error or FencedError("rank 0 found a newer trainer generation")
 
-    def step(self, payload: bytes) -> StepResult | None:
-        """Run one step message broadcast by rank 0; None when the message says stop. Groups
-        that make the step fail are left out of its update (`Isolation`) and come back in
-        `failed` (by their index in the message) for rank 0 to dead-letter."""
+    def step(self, payload: bytes, groups: list[TrajectoryGroup] | None = None
+             ) -> StepResult | None:
+        """Run one step message broadcast by rank 0; None when the message says stop. Rank 0
+        passes the groups it decoded from the bus too (the same as the message's; the other
+        ranks decode theirs). Groups that make the step fail are left out of its update
+        (`Isolation`) and come back in `failed` (by their index in the message) for rank 0 to
+        dead-letter."""
         payload = distributed.broadcast_bytes(payload if distributed.is_main() else None)
         if not payload:
             return None
-        groups, checkpoint, meta = unpack_step(payload)
+        groups, checkpoint, meta = unpack_step(payload, groups)
         result = StepResult()
         if groups:
             version = self.learner.policy_version
