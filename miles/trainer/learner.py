@@ -58,9 +58,9 @@ from miles.trainer import critic, distributed
 from miles.trainer.batching import (MicroBatch, idle_micro_batch, loss_normalisers,
                                     make_micro_batches, outcome_advantages)
 from miles.trainer.kl_penalty import KLPenalty
-from miles.trainer.model import (PRECISIONS, LoraSettings, apply_fsdp, is_lora_b,
+from miles.trainer.model import (PRECISIONS, LoraSettings, apply_fsdp,
                                  enable_activation_checkpointing, export_adapter, export_full,
-                                 fsdp_policies, load_policy, materialise_sharded,
+                                 fsdp_policies, is_lora_b, load_policy, materialise_sharded,
                                  packing_supported, shared_prompts_supported, trainable_names)
 from miles.trainer.precision import compute_dtype
 from miles.trainer.reduction import add_metrics, finite_losses, reduce_step, step_counts
@@ -248,12 +248,14 @@ class Learner:
         def role_of(name: str) -> str:
             return "critic" if len(roles) > 1 and critic.is_critic_parameter(name) else "actor"
 
+        def faster(name: str) -> bool:
+            return config.lora_plus_ratio != 1.0 and is_lora_b(name)
+
         groups = []
         for role, lr in roles.items():
             mine = [(n, p) for n, p in trained if role_of(n) == role]
-            fast = config.lora_plus_ratio != 1.0
-            rest = [p for n, p in mine if not (fast and is_lora_b(n))]
-            lora_b = [p for n, p in mine if fast and is_lora_b(n)]
+            rest = [p for n, p in mine if not faster(n)]
+            lora_b = [p for n, p in mine if faster(n)]
             groups.append({"params": rest, "lr": lr, "role": role})
             if lora_b:
                 groups.append({"params": lora_b, "lr": lr * config.lora_plus_ratio, "role": role})

@@ -10,8 +10,11 @@ import torch
 
 from miles.errors import ConfigError
 from miles.rl.algorithm import AlgorithmConfig
+from miles.trainer.checkpoint import save_checkpoint
 from miles.trainer.learner import Learner, LearnerConfig
+from miles.trainer.loop import LoopConfig
 from miles.trainer.model import LoraSettings, is_lora_b
+from miles.trainer.runner import StepRunner
 from tests.factories import make_group, make_sample
 from tests.integration.conformance import process_group, trained_weights  # noqa: F401
 
@@ -72,6 +75,20 @@ def test_the_critic_adapter_gets_its_own_groups(model_dir):
     counted = sum(len(g["params"]) for g in learner.optimizer.param_groups)
     assert counted == len(learner.actor_params) + len(learner.critic_params)
     assert learner.critic_params
+
+
+def test_a_checkpoint_brings_back_both_rates_and_adams_state(model_dir, tmp_path):
+    config = LearnerConfig(lr=1e-3, seed=0, precision="fp32", lora_plus_ratio=4.0)
+    trained = Learner(model_dir, config, lora=LORA)
+    trained.train_step(groups())
+    save_checkpoint(tmp_path / "checkpoints", 1, trained.state_dict(), {"step": 1})
+    resumed = Learner(model_dir, config, lora=LORA)
+    StepRunner(resumed, LoopConfig(out_dir=tmp_path), base_model="tiny").resume()
+    assert sorted(g["lr"] for g in resumed.optimizer.param_groups) == [1e-3, 4e-3]
+    trained.train_step(groups())
+    resumed.train_step(groups())
+    for (name, a), b in zip(trained_weights(trained).items(), trained_weights(resumed).values()):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-7, msg=name)
 
 
 def test_a_non_positive_ratio_is_refused():
