@@ -88,6 +88,14 @@ def make_group(n_samples: int = 4, n_tokens: int = 8, *, prompt_tokens: int = 6,
     return TrajectoryGroup(**(fields | overrides))
 
 
+def small_batch(*, vocab_size: int = 78) -> list[TrajectoryGroup]:
+    """Three groups of four samples (3-6 tokens, rewards 0 and 1 alternating): a batch a tiny
+    learner trains in a fraction of a second, the same at every call."""
+    return [make_group(vocab_size=vocab_size, seed=g, sampling={"max_new_tokens": 8}, samples=[
+        make_sample(3 + i, vocab_size=vocab_size, seed=10 * g + i, reward=float(i % 2))
+        for i in range(4)]) for g in range(3)]
+
+
 def make_prompt_task(**overrides) -> PromptTask:
     fields = dict(task_id="t-0", prompt="What is 6 * 7?",
                   prompt_token_ids=np.array([5, 6, 7, 8], dtype=np.int32), reference="42",

@@ -14,17 +14,10 @@ from miles.trainer.loop import LoopConfig
 from miles.trainer.model import LoraSettings
 from miles.trainer.runner import StepRunner
 from tests.integration.conformance import process_group, trained_weights  # noqa: F401
-from tests.factories import make_group, make_sample
+from tests.factories import small_batch
 
-VOCAB = 78
 LORA = LoraSettings(r=4, alpha=8)
 CONFIG = LearnerConfig(lr=1e-2, seed=0, precision="fp32")
-
-
-def groups() -> list:
-    return [make_group(vocab_size=VOCAB, seed=g, sampling={"max_new_tokens": 8}, samples=[
-        make_sample(3 + i, vocab_size=VOCAB, seed=10 * g + i, reward=float(i % 2))
-        for i in range(4)]) for g in range(3)]
 
 
 def test_starting_without_a_checkpoint_leaves_adam_at_its_first_step(model_dir, tmp_path):
@@ -35,8 +28,8 @@ def test_starting_without_a_checkpoint_leaves_adam_at_its_first_step(model_dir, 
     assert not started.optimizer.state  # nothing materialised
     plain = Learner(model_dir, CONFIG, lora=LORA)
     for _ in range(2):
-        started.train_step(groups())
-        plain.train_step(groups())
+        started.train_step(small_batch())
+        plain.train_step(small_batch())
     steps = {float(s["step"]) for s in started.optimizer.state.values()}
     assert steps == {2.0}
     assert all(torch.equal(a, b) for a, b in zip(trained_weights(started).values(),

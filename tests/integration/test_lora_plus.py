@@ -15,17 +15,10 @@ from miles.trainer.learner import Learner, LearnerConfig
 from miles.trainer.loop import LoopConfig
 from miles.trainer.model import LoraSettings, is_lora_b
 from miles.trainer.runner import StepRunner
-from tests.factories import make_group, make_sample
+from tests.factories import small_batch
 from tests.integration.conformance import process_group, trained_weights  # noqa: F401
 
-VOCAB = 78
 LORA = LoraSettings(r=4, alpha=8)
-
-
-def groups() -> list:
-    return [make_group(vocab_size=VOCAB, seed=g, sampling={"max_new_tokens": 8}, samples=[
-        make_sample(3 + i, vocab_size=VOCAB, seed=10 * g + i, reward=float(i % 2))
-        for i in range(4)]) for g in range(3)]
 
 
 def moves(model_dir, ratio: float, steps: int) -> dict[str, torch.Tensor]:
@@ -34,7 +27,7 @@ def moves(model_dir, ratio: float, steps: int) -> dict[str, torch.Tensor]:
                                                lora_plus_ratio=ratio), lora=LORA)
     before = trained_weights(learner)
     for _ in range(steps):
-        learner.train_step(groups())
+        learner.train_step(small_batch())
     after = trained_weights(learner)
     return {name: after[name] - before[name] for name in before}
 
@@ -80,13 +73,13 @@ def test_the_critic_adapter_gets_its_own_groups(model_dir):
 def test_a_checkpoint_brings_back_both_rates_and_adams_state(model_dir, tmp_path):
     config = LearnerConfig(lr=1e-3, seed=0, precision="fp32", lora_plus_ratio=4.0)
     trained = Learner(model_dir, config, lora=LORA)
-    trained.train_step(groups())
+    trained.train_step(small_batch())
     save_checkpoint(tmp_path / "checkpoints", 1, trained.state_dict(), {"step": 1})
     resumed = Learner(model_dir, config, lora=LORA)
     StepRunner(resumed, LoopConfig(out_dir=tmp_path), base_model="tiny").resume()
     assert sorted(g["lr"] for g in resumed.optimizer.param_groups) == [1e-3, 4e-3]
-    trained.train_step(groups())
-    resumed.train_step(groups())
+    trained.train_step(small_batch())
+    resumed.train_step(small_batch())
     for (name, a), b in zip(trained_weights(trained).items(), trained_weights(resumed).values()):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-7, msg=name)
 
