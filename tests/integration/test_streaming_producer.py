@@ -358,14 +358,16 @@ async def test_stop_gives_failing_groups_a_deadline_and_leaves_them_uncommitted(
         worker, stop, running = await start(bus, run, model_dir, store, max_in_flight=2,
                                             sampling=LONG)
         sampler = worker.stream.sampler
+        sample = sampler.step
 
-        def broken():
-            raise EngineError("the device is gone")
+        def breaks_mid_generation():  # two tokens, then the device is gone for good
+            if sampler.steps >= 2:
+                raise EngineError("the device is gone")
+            return sample()
 
+        monkeypatch.setattr(sampler, "step", breaks_mid_generation)
         try:
             await feed(bus, run, arithmetic_problems("train")[:2], shuffle=False)
-            await wait_for(lambda: sampler.rows_in_flight == 4)
-            monkeypatch.setattr(sampler, "step", broken)
             await wait_for(lambda: worker.counts["producer/engine_errors"] >= 1)
         finally:
             stop.set()
