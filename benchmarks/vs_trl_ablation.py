@@ -27,9 +27,12 @@ CORES = len(os.sched_getaffinity(0))
 LEVERS: dict[str, tuple[str, list[str]]] = {  # name: (side, Miles settings)
     "defaults": ("miles", []),
     "before-issue-21": ("miles", ["learner.precision=fp32", "eval_every_s=10",
-                                  "eval_after_run=false"]),  # the demo's defaults before
+                                  "eval_after_run=false", "learner_process=false"]),  # the
+    # demo's defaults before (the settings since made default that a run can still switch off)
     "fp32": ("miles", ["learner.precision=fp32"]),
     "kafka-processes": ("miles-kafka", []),  # producer and trainer processes, a core each
+    "learner-in-process": ("miles", ["learner_process=false"]),  # the learner in the run's
+    # process (a thread), sharing its GIL with the event loop and the engine
     "threads-2-each": ("miles", ["torch_threads=2"]),  # engine and learner each on torch's
     # default pool of both cores, in one process (the default before torch_threads)
     "synchronous": ("miles", ["max_staleness=0"]),

@@ -43,6 +43,16 @@ def load_config(cls: type[T], *, path: str | Path | None = None, overrides: Iter
     return build(cls, merge(base or {}, read_layers(cls, path=path, overrides=overrides, env=env)))
 
 
+def write_settings(settings: Any, path: Path) -> Path:
+    """`settings` (a dataclass) as a YAML file that `load_config` reads back: how a process
+    hands its children their settings."""
+    import yaml
+
+    plain = json.loads(json.dumps(dataclasses.asdict(settings), default=str))
+    path.write_text(yaml.safe_dump(plain, sort_keys=False))
+    return path
+
+
 def read_layers(cls: type, *, path: str | Path | None = None, overrides: Iterable[str] = (),
                 env: Mapping[str, str] | None = None) -> dict[str, Any]:
     """The file, environment and `--set` layers merged, unconverted (what `load_config` builds

@@ -61,6 +61,7 @@ from miles.tasks.rewards import Scorer, resolve_reward
 from miles.trackers import TrackerSettings, Trackers, open_trackers
 from miles.warm_start import warm_start
 from miles.trainer.learner import Learner, LearnerConfig
+from miles.trainer.learner_process import LearnerProcess, LearnerProcessSettings
 from miles.trainer.loop import LoopConfig, TrainerLoop
 from miles.trainer.runner import StepRunner
 from miles.weights.following import FollowConfig
@@ -98,6 +99,8 @@ class RunConfig:
     # machine's cores split evenly between them (they compute at the same time), at least 1
     max_in_flight: int = 0  # > 0: producers stream this many groups (docs/streaming.md)
     weight_update: str = "continue"  # streaming: continue, finish or restart running samples
+    learner_process: bool = True  # embedded: the learner in a child process, with a GIL of its
+    # own (the event loop's Python held the learner's step back by ~40% in one process)
     fanout: bool = False  # Kafka: also run the evaluator and recorder daemons (fan-out consumers)
     max_staleness: int = 1
     eval_every_s: float = 30.0  # held-out evaluation at most this often while training (0: none)
@@ -245,6 +248,18 @@ def embedded_engine(config: RunConfig, model_dir: Path, index: int = 0) -> Rollo
     return build_engine(producer_settings(config, model_dir, index))
 
 
+def step_runner(config: RunConfig, model_dir: Path) -> StepRunner | LearnerProcess:
+    """The embedded trainer's runner: its learner in a child process (`learner_process`, which
+    starts building at once: `wait_ready` before use) or in this one."""
+    if config.learner_process:
+        settings = LearnerProcessSettings(model_dir=model_dir, lora=config.lora,
+                                          torch_threads=config.role_threads(),
+                                          learner=config.learner, loop=config.loop())
+        return LearnerProcess(settings, settings_path=config.out_dir / "learner.yaml")
+    learner = Learner(model_dir, config.learner, lora=config.lora)
+    return StepRunner(learner, config.loop(), base_model=base_model_id(model_dir))
+
+
 async def run_embedded(config: RunConfig, model_dir: Path, evaluator: Evaluator,
                        stop: asyncio.Event, on_beat: Callable[[dict], None] | None) -> dict:
     """Producers and trainer in this process, until a bound is met (the clock starts once the
@@ -263,19 +278,21 @@ async def _run_embedded(config: RunConfig, model_dir: Path, evaluator: Evaluator
                         stop: asyncio.Event, on_beat: Callable[[dict], None] | None) -> dict:
     bus = evaluator.bus
     began = time.monotonic()
-    engines = [embedded_engine(config, model_dir, i) for i in range(config.producers)]
-    engine_start_s = time.monotonic() - began
-    trackers = [run_trackers(config, f"producer-{i}") for i in range(config.producers)]
-    trackers.append(run_trackers(config, "trainer"))
-    workers = [RolloutWorker(bus, engine, evaluator.scorer, config.rollout(i),
-                             env=environment(config, evaluator.scorer), episodes=config.episodes,
-                             trackers=trackers[i])
-               for i, engine in enumerate(engines)]
-    learner = Learner(model_dir, config.learner, lora=config.lora)
-    trainer = TrainerLoop(bus, StepRunner(learner, config.loop(),
-                                          base_model=base_model_id(model_dir)), trackers[-1])
-    started, started_at = time.monotonic(), time.time()
+    runner = step_runner(config, model_dir)  # a learner process builds while the engines do
+    engines, trackers = [], []
     try:
+        engines += [embedded_engine(config, model_dir, i) for i in range(config.producers)]
+        engine_start_s = time.monotonic() - began
+        if isinstance(runner, LearnerProcess):
+            await asyncio.to_thread(runner.wait_ready)
+        trackers += [run_trackers(config, f"producer-{i}") for i in range(config.producers)]
+        trackers.append(run_trackers(config, "trainer"))
+        workers = [RolloutWorker(bus, engine, evaluator.scorer, config.rollout(i),
+                                 env=environment(config, evaluator.scorer),
+                                 episodes=config.episodes, trackers=trackers[i])
+                   for i, engine in enumerate(engines)]
+        trainer = TrainerLoop(bus, runner, trackers[-1])
+        started, started_at = time.monotonic(), time.time()
         async with RunWatch(bus, config.run, config.weights().public_key, on_beat) as watch, \
                 asyncio.TaskGroup() as tasks:
             for worker in workers:
@@ -285,6 +302,7 @@ async def _run_embedded(config: RunConfig, model_dir: Path, evaluator: Evaluator
             ended = await watch.until_done(stop, config.max_seconds, trained.done)
             stop.set()
     finally:
+        runner.close()
         for engine in engines:
             engine.close()
         for tracker in trackers:

@@ -9,24 +9,21 @@ password stays in the environment or its file.
 from __future__ import annotations
 
 import asyncio
-import ctypes
-import json
 import logging
 import signal
 import subprocess
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import yaml
-
 from consumers.trainer import TrainerSettings
+from miles.config import write_settings
 from miles.demo_report import producers_episodes
 from miles.errors import MilesError
 from miles.run_watch import RunWatch
+from miles.service import die_with_parent
 from producers.rollout import ProducerSettings
 
 if TYPE_CHECKING:
@@ -34,7 +31,6 @@ if TYPE_CHECKING:
     from miles.run import RunConfig
 
 log = logging.getLogger(__name__)
-PR_SET_PDEATHSIG = 1
 
 
 def producer_settings(config: RunConfig, model_dir: Path, index: int = 0) -> ProducerSettings:
@@ -76,21 +72,6 @@ def daemon_settings(config: RunConfig, model_dir: Path) -> dict:
     }
 
 
-def write_settings(settings, path: Path) -> Path:
-    plain = json.loads(json.dumps(asdict(settings), default=str))
-    path.write_text(yaml.safe_dump(plain, sort_keys=False))
-    return path
-
-
-def _die_with_parent() -> None:
-    """In the child before it runs: SIGKILL when the parent dies (Linux), so a killed run
-    leaves no daemon behind to race the resumed one."""
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-    except (OSError, AttributeError):
-        pass
-
-
 def command(module: str, settings: Path, ranks: int = 1) -> list[str]:
     """The daemon's command line; the trainer under torchrun for several ranks."""
     if ranks > 1:
@@ -113,7 +94,7 @@ def start_daemons(config: RunConfig, model_dir: Path) -> dict[str, subprocess.Po
         ranks = config.trainer_ranks if name == "trainer" else 1
         processes[name] = subprocess.Popen(command(module, path, ranks), stdout=log_file,
                                            stderr=subprocess.STDOUT,
-                                           preexec_fn=_die_with_parent)
+                                           preexec_fn=die_with_parent)
     return processes
 
 

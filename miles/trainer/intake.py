@@ -91,7 +91,7 @@ class TrainerLimits:
 
     @classmethod
     def of(cls, learner: Learner, config: IntakeConfig) -> TrainerLimits:
-        return cls(vocab_size=int(learner.model.get_input_embeddings().num_embeddings),
+        return cls(vocab_size=learner.vocab_size,
                    max_row_tokens=learner.config.max_tokens_per_micro_batch,
                    max_abs_reward=config.max_abs_reward, algorithm=learner.algorithm)
 

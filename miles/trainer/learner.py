@@ -230,6 +230,11 @@ class Learner:
         self.steps = 0  # train_step calls, critic warm-up included
         self.kl = KLPenalty(self.algorithm)  # the KL coefficient (fixed or adaptive)
 
+    @property
+    def vocab_size(self) -> int:
+        """Rows of the model's input embedding matrix: the token ids it can read."""
+        return int(self.model.get_input_embeddings().num_embeddings)
+
     def _placed(self, model: torch.nn.Module) -> torch.nn.Module:
         """`model` on this rank's device, unless it is still on the meta device (sharded load:
         `materialise_sharded` allocates it after sharding)."""

@@ -102,6 +102,9 @@ class StepRunner:
         prune_versions(self.weights_dir, self.config.keep_versions)
         return record
 
+    def close(self) -> None:
+        """Nothing to release: the learner lives in this process (see `LearnerProcess`)."""
+
     def check_fence(self) -> None:
         """FencedError on every rank when rank 0 finds a newer generation (a collective)."""
         error = None

@@ -51,7 +51,8 @@ async def test_the_evaluator_daemon_carries_tools_and_sandbox(tmp_path):
     """`miles run` with fan-out writes the evaluator's settings file; the environment of its
     held-out episodes takes the run's tool and sandbox limits from it."""
     from consumers.evaluator import EvaluatorSettings, episode_eval
-    from miles.run_daemons import daemon_settings, write_settings
+    from miles.config import write_settings
+    from miles.run_daemons import daemon_settings
 
     run = load_config(RunConfig, env={}, overrides=[
         "env=tests.envs:Napper", "tools.timeout_s=0.1", "sandbox.cpu_s=2"])

@@ -44,7 +44,8 @@ def test_the_environment_configures_cli_commands_and_daemons_alike(tmp_path):
 
 def test_the_demo_gives_its_kafka_section_to_every_daemon_it_starts(tmp_path):
     from miles.demo import DemoConfig
-    from miles.run_daemons import daemon_settings, write_settings
+    from miles.config import write_settings
+    from miles.run_daemons import daemon_settings
 
     ca = tmp_path / "ca.pem"
     ca.write_text("a CA")
