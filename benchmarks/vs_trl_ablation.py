@@ -27,8 +27,11 @@ CORES = len(os.sched_getaffinity(0))
 LEVERS: dict[str, tuple[str, list[str]]] = {  # name: (side, Miles settings)
     "defaults": ("miles", []),
     "before-issue-21": ("miles", ["learner.precision=fp32", "eval_every_s=10",
-                                  "eval_after_run=false", "learner_process=false"]),  # the
-    # demo's defaults before (the settings since made default that a run can still switch off)
+                                  "eval_after_run=false", "learner_process=false",
+                                  "learner.skip_zero_advantage=false",
+                                  "learner.share_prompts=false", f"torch_threads={CORES}"]),
+    # the demo's defaults before: every setting made default since that a run can switch off
+    # (kernels, fused AdamW, the merged adapter and the codec's speed-ups stay)
     "fp32": ("miles", ["learner.precision=fp32"]),
     "kafka-processes": ("miles-kafka", []),  # producer and trainer processes, a core each
     "learner-in-process": ("miles", ["learner_process=false"]),  # the learner in the run's

@@ -4,8 +4,8 @@ learner gets a GIL of its own.
 Why: in an embedded run the event loop (the producer's scoring and encoding, the trainer's
 decoding and checks, heartbeats) holds the GIL about a fifth of the time in pure-Python
 stretches, and the learner's step, thousands of small torch ops each of which gives the GIL
-up and takes it back, waits behind every stretch: on the demo a step took 95 ms in the run
-against 58 ms alone (docs/benchmarks.md, "The learner in its own process").
+up and takes it back, waits behind every stretch (docs/benchmarks.md, "The learner in a
+process of its own").
 
 `LearnerProcess` is a `StepRunner` for `TrainerLoop` whose steps run in a child process
 (`python -m miles.trainer.learner_process --config SETTINGS --fds R,W`). The child builds the
