@@ -100,7 +100,7 @@ class RunConfig:
     max_in_flight: int = 0  # > 0: producers stream this many groups (docs/streaming.md)
     weight_update: str = "continue"  # streaming: continue, finish or restart running samples
     learner_process: bool = True  # embedded: the learner in a child process, with a GIL of its
-    # own (the event loop's Python held the learner's step back by ~40% in one process)
+    # own (in one process the event loop's Python holds its step back; docs/runs.md)
     fanout: bool = False  # Kafka: also run the evaluator and recorder daemons (fan-out consumers)
     max_staleness: int = 1
     eval_every_s: float = 30.0  # held-out evaluation at most this often while training (0: none)

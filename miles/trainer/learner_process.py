@@ -15,9 +15,10 @@ then serves requests over two pipes, one msgpack message per request and per rep
 A reply carries what the call returned (a weight version as its wire bytes), the learner state
 the loop reads (`policy_version`, the KL penalty's checkpoint meta), or the error it raised
 (its type name, message and traceback; FencedError, CheckpointError and StepError come back as
-themselves). The child ignores SIGINT and SIGTERM (the parent stops it between steps, so a
-Ctrl-C never cuts a step or a checkpoint in half) and gets SIGKILL when the parent dies
-(Linux), like the run's daemons. One rank only: several ranks are `trainer_ranks` on Kafka.
+themselves). The child runs in a session of its own and ignores SIGINT and SIGTERM (the
+parent stops it between steps, so a Ctrl-C never cuts a step or a checkpoint in half), and it
+gets SIGKILL when the parent dies (Linux), like the run's daemons. One rank only: several
+ranks are `trainer_ranks` on Kafka.
 """
 
 from __future__ import annotations
@@ -35,10 +36,10 @@ from pathlib import Path
 
 import msgpack
 
-from miles.config import write_settings
+from miles.config import load_config, write_settings
 from miles.errors import CheckpointError, FencedError, MilesError, StepError
 from miles.protocol import WeightVersion, decode, encode
-from miles.service import die_with_parent
+from miles.service import configure_logging, die_with_parent
 from miles.trainer.fence import Fence
 from miles.trainer.learner import LearnerConfig
 from miles.trainer.loop import LoopConfig
@@ -101,8 +102,8 @@ class LearnerProcess:
         self._receive, from_child = os.pipe()
         self.process = subprocess.Popen(
             [sys.executable, "-m", "miles.trainer.learner_process", "--config", str(settings_path),
-             "--fds", f"{to_child},{from_child}"],
-            pass_fds=(to_child, from_child), preexec_fn=_child_setup)
+             "--fds", f"{to_child},{from_child}", "--parent", str(os.getpid())],
+            pass_fds=(to_child, from_child), start_new_session=True)
         os.close(to_child)
         os.close(from_child)
         self._requests = Connection(self._send, readable=False)
@@ -140,6 +141,7 @@ class LearnerProcess:
             try:
                 self.process.wait(30)
             except subprocess.TimeoutExpired:
+                log.warning("the learner process did not end within 30 s: killed")
                 self.process.kill()
                 self.process.wait()
         self._requests.close()
@@ -179,14 +181,6 @@ class LearnerProcess:
 
 def _record(data: bytes | None) -> WeightVersion | None:
     return None if data is None else decode(data, WeightVersion)
-
-
-def _child_setup() -> None:
-    """In the child before it runs: its own signals ignored (the parent stops it), SIGKILL
-    when the parent dies."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    die_with_parent()
 
 
 # -- the child ---------------------------------------------------------------------------------
@@ -239,14 +233,18 @@ def _wire(record: WeightVersion | None) -> bytes | None:
 
 
 def main(argv=None) -> int:
-    from miles.config import load_config
-    from miles.service import configure_logging
     from miles.trainer import distributed
 
     parser = argparse.ArgumentParser(description="the embedded run's learner process")
     parser.add_argument("--config", required=True)
     parser.add_argument("--fds", required=True, help="the request and reply pipes' fds")
+    parser.add_argument("--parent", type=int, required=True, help="the run's pid")
     args = parser.parse_args(argv)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent stops it, between steps
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    die_with_parent()
+    if os.getppid() != args.parent:  # it died before the line above
+        return 1
     configure_logging()
     settings = load_config(LearnerProcessSettings, path=args.config, env={})
     read_fd, write_fd = (int(fd) for fd in args.fds.split(","))

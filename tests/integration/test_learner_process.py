@@ -56,8 +56,8 @@ def test_the_learner_process_makes_the_updates_of_the_learner_in_this_process(
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # the child's, so both reduce in the same order
     try:
-        here = StepRunner(Learner(model_dir, CONFIG, lora=LORA), LoopConfig(out_dir=tmp_path / "here"),
-                          base_model=base_model_id(model_dir))
+        here = StepRunner(Learner(model_dir, CONFIG, lora=LORA), LoopConfig(
+            out_dir=tmp_path / "here"), base_model=base_model_id(model_dir))
         versions = [(here.resume()[1], child.resume()[1])]
         results = [(here.step(step_message(s)), child.step(step_message(s))) for s in (1, 2, 3)]
     finally:
