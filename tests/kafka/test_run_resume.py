@@ -76,8 +76,9 @@ def test_a_killed_kafka_run_resumes_with_every_group_judged_once(kafka_broker, m
     run = json.loads((out / "run.json").read_text())["run"]
     published, lettered = asyncio.run(published_groups(kafka_broker.url, run))
     assert len(assert_judged_once(out, published, lettered)) == 7
-    producers = {g.split("/")[2] for e in ledger(out) for g in e["trained"]}
-    assert producers == {"producer-0", "producer-1"}
+    # both producers fed the topic; which of them fill the trainer's 28 places is arrival order
+    # (one slow to start on 2 busy cores left all of them to the other once in CI)
+    assert {g.split("/")[2] for g in published} == {"producer-0", "producer-1"}
 
 
 def test_a_kafka_run_trains_on_two_ranks_under_torchrun(kafka_broker, model_dir, tmp_path):
