@@ -119,7 +119,26 @@ def test_ctrl_c_stops_the_run_not_the_child(child):
     assert child.step(step_message(1)).record.policy_version == 1
 
 
+def test_the_run_setting_chooses_where_the_learner_runs(model_dir, tmp_path):
+    from miles.run import RunConfig, step_runner
+
+    for flag, kind in ((True, LearnerProcess), (False, StepRunner)):
+        out = tmp_path / str(flag)
+        out.mkdir()
+        runner = step_runner(RunConfig(out_dir=out, learner_process=flag, lora=LORA,
+                                       learner=CONFIG), model_dir)
+        try:
+            assert isinstance(runner, kind)
+            if flag:
+                runner.wait_ready()
+                assert runner.process.poll() is None and (out / "learner.yaml").is_file()
+        finally:
+            runner.close()
+
+
 def test_the_child_dies_with_the_process_that_started_it(model_dir, tmp_path):
+    """The child does not outlive its parent. Here the pipe's end would also stop it; the
+    parent-death signal is what stops it in the middle of a long step (not reproduced here)."""
     script = (
         "import sys; from pathlib import Path\n"
         "from tests.integration.test_learner_process import started\n"
