@@ -76,9 +76,11 @@ def test_a_killed_kafka_run_resumes_with_every_group_judged_once(kafka_broker, m
     run = json.loads((out / "run.json").read_text())["run"]
     published, lettered = asyncio.run(published_groups(kafka_broker.url, run))
     assert len(assert_judged_once(out, published, lettered)) == 7
-    # both producers fed the topic; which of them fill the trainer's 28 places is arrival order
-    # (one slow to start on 2 busy cores left all of them to the other once in CI)
-    assert {g.split("/")[2] for g in published} == {"producer-0", "producer-1"}
+    # the resumed run ran both producers to a clean stop. Which of them published is arrival
+    # order: one that joins the prompts group late may find the other's 16 groups already made
+    # (the group rebalances only on the first one's next heartbeat), as it did twice in CI
+    for producer in ("producer-0", "producer-1"):
+        assert "producers.rollout: stopped:" in (out / f"{producer}.log").read_text(), producer
 
 
 def test_a_kafka_run_trains_on_two_ranks_under_torchrun(kafka_broker, model_dir, tmp_path):
