@@ -6,7 +6,9 @@ with DAPO's dynamic sampling, groups whose rewards are all equal are filtered th
 the shortfall is read from the stream; groups this trainer cannot train, by the rules of
 `miles.trainer.intake`, are dead-lettered with the reason as they are polled),
 ships their wire bytes to the other ranks (`broadcast_bytes`, no pickle), all ranks run the
-learner's step in a worker thread (the event loop keeps Kafka heartbeats alive), then rank 0
+learner's step in a worker thread (the event loop keeps Kafka heartbeats alive; rank 0
+meanwhile collects the next step's groups, judged against the version the running step will
+make, so the next step starts as soon as this one ends), then rank 0
 dead-letters the groups that made the step fail, appends the step to `ledger.jsonl` (only once
 its update is done, listing only the groups in it), announces the new adapter it wrote to the
 weight store on the control topic (each announcement and heartbeat signed with the run's
@@ -129,6 +131,7 @@ class TrainerLoop:
         self.positions: dict[TopicPartition, int] = {}
         self.read_to: dict[TopicPartition, int] = {}  # past the last record polled, this process
         self._revoked_in_poll: set[TopicPartition] = set()  # by a rebalance inside a poll
+        self._pending_version: int | None = None  # what the step in flight will make
         self.step = 0
         self.counts: Counter[str] = Counter()
         self.lags: Counter[int] = Counter()
@@ -149,6 +152,7 @@ class TrainerLoop:
 
     async def run(self, stop: asyncio.Event) -> dict:
         self.out_dir.mkdir(parents=True, exist_ok=True)
+        stepping: asyncio.Task | None = None  # the step in flight (`_train`)
         try:
             self.signer = trainer_signer(self.out_dir, self.config.signing_key)
             await self._resume()
@@ -160,11 +164,18 @@ class TrainerLoop:
                                                dlq_topic=self._topic("dlq"),
                                                expected=TrajectoryGroup, name="trainer")
                 while not stop.is_set() and not self._done():
-                    if not await self._collect(stop):
+                    collected = await self._collect_beside(stepping, stop)
+                    stepping = None
+                    if not collected or stop.is_set():  # what was collected is read again
                         break
-                    await self._train()
+                    stepping = asyncio.create_task(self._train(self._begin_step()))
+                if stepping is not None:
+                    await stepping
                 await self._finish()
         finally:
+            if stepping is not None and not stepping.done():
+                stepping.cancel()
+                await asyncio.wait({stepping})
             await self._blocking(self.runner.step, b"")  # followers stop
             self._executor.shutdown(wait=True)
             self.progress.close()
@@ -233,6 +244,33 @@ class TrainerLoop:
 
     # -- collect ------------------------------------------------------------------------------
 
+    async def _collect_beside(self, stepping: asyncio.Task | None, stop: asyncio.Event) -> bool:
+        """`_collect` while the step in flight (if any) runs; once both are done, whether the
+        next batch was collected. A step that fails stops the collection and raises; a
+        collection that fails leaves the step to `run`, which cancels it."""
+        if stepping is None:
+            return await self._collect(stop)
+        collecting = asyncio.ensure_future(self._collect(stop))
+        try:
+            await asyncio.wait({collecting, stepping}, return_when=asyncio.FIRST_EXCEPTION)
+            if stepping.done() and stepping.exception() is not None:
+                await stepping  # raises
+            collected = await collecting
+            await stepping
+            return collected
+        finally:
+            if not collecting.done():  # the step failed, or the loop was cancelled
+                collecting.cancel()
+                await asyncio.wait({collecting})
+
+    def _judged_version(self) -> int:
+        """The policy version groups are judged against: the learner's, or during a step the
+        version that step will make (the batch being collected trains after it). A step that
+        makes none (critic warm-up) leaves them judged one version stricter than needed."""
+        if self._pending_version is not None:
+            return self._pending_version
+        return self.learner.policy_version
+
     async def _collect(self, stop: asyncio.Event) -> bool:
         """Fill `batch` with `groups_per_step` fresh groups from the buffer and the bus, and the
         groups skipped on the way (dropped: stale, filtered: equal rewards); False if stopped
@@ -250,13 +288,16 @@ class TrainerLoop:
                 self.buffer.extend(await self._admitted(items))
                 self.read_to.update(polled)
                 self._count_dead_letters()
-                if time.monotonic() - last_beat > self.config.heartbeat_s:
+                # none during a step (its own follows it): the version it would report is the
+                # one before the step, which the groups collected now come after
+                if self._pending_version is None and \
+                        time.monotonic() - last_beat > self.config.heartbeat_s:
                     self.runner.fence.check()  # an idle zombie must not hold partitions
                     await self._heartbeat()
                     last_beat = time.monotonic()
                 continue
             item = self.buffer.popleft()
-            if item.value.lag(self.learner.policy_version) > self.config.max_staleness:
+            if item.value.lag(self._judged_version()) > self.config.max_staleness:
                 self.batch["dropped"].append(item)
             elif self.learner.algorithm.dynamic_sampling and uniform_rewards(item.value):
                 self.batch["filtered"].append(item)
@@ -313,20 +354,29 @@ class TrainerLoop:
 
     # -- train --------------------------------------------------------------------------------
 
-    async def _train(self) -> None:
+    def _begin_step(self) -> dict:
+        """Take the collected batch for the next step (at once, before the next collection
+        starts): count the step, note the positions after it and the version it will make."""
+        batch, self.batch = self.batch, new_batch()
+        self.step += 1
+        self.positions = self._next_offsets()
+        self._pending_version = self.learner.policy_version + 1
+        return batch
+
+    async def _train(self, batch: dict[str, list[Decoded]]) -> None:
         """Run the step, then account for it: dead-letter the groups that failed it, write its
         ledger line (only now: a step that crashes leaves none, and its groups are read again
         from the positions of the last checkpoint), announce, checkpoint, report."""
         began = time.perf_counter()
-        batch, self.batch = self.batch, new_batch()
-        self.step += 1
         version = self.learner.policy_version  # what the groups' lags were judged against
-        self.positions = self._next_offsets()
         self.runner.fence.check()
         payload = pack_step([g.record.value for g in batch["trained"]], checkpoint=False,
                             meta={"step": self.step})
-        result = await self._blocking(self.runner.step, payload,
-                                      [g.value for g in batch["trained"]])
+        try:
+            result = await self._blocking(self.runner.step, payload,
+                                          [g.value for g in batch["trained"]])
+        finally:
+            self._pending_version = None
         await self._dead_letter_failed(batch, result.failed)
         self._count(batch, version)
         self.runner.fence.check()
@@ -450,8 +500,11 @@ class TrainerLoop:
     async def _heartbeat(self) -> None:
         tps = set(self.positions) | self.consumer.assignment()
         # records taken off the buffer count as consumed (admission: producers must not wait
-        # on groups the step being collected has already judged)
+        # on groups the step being collected has already judged), except a whole step's worth
+        # collected during the step just done: producers' next groups train after it
         consumed = sum(self._polled_to(tp) or 0 for tp in tps) - len(self.buffer)
+        if len(self.batch["trained"]) >= self.config.groups_per_step:
+            consumed -= len(self.batch["trained"])
         extra = {"consumed": consumed, "step": self.step, **self.counts,
                  **{f"lag/{lag}": count for lag, count in self.lags.items()}}  # running totals
         beat = Heartbeat(producer_id=f"trainer-{self.config.run}", role="trainer",
