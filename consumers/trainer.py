@@ -49,10 +49,8 @@ def parse_args(argv=None) -> TrainerSettings:
 def build_runner(settings: TrainerSettings):
     import torch
 
-    from miles.trainer.learner import Learner
-    from miles.trainer.runner import StepRunner
     from miles.trainer.memory import check_trainer_memory
-    from miles.weights.store import base_model_id
+    from miles.trainer.runner import StepRunner
 
     if settings.torch_threads:
         torch.set_num_threads(settings.torch_threads)
@@ -61,8 +59,8 @@ def build_runner(settings: TrainerSettings):
                                        learner=settings.learner)
         if warning:
             log.warning(warning)
-    learner = Learner(settings.model_dir, settings.learner, lora=settings.lora)
-    return StepRunner(learner, settings.loop, base_model=base_model_id(settings.model_dir))
+    return StepRunner.build(settings.model_dir, settings.loop, learner=settings.learner,
+                            lora=settings.lora)
 
 
 async def run_trainer(settings: TrainerSettings, runner, stop) -> dict:

@@ -60,13 +60,12 @@ from miles.tasks.datasets import DatasetFormat, load_problems
 from miles.tasks.rewards import Scorer, resolve_reward
 from miles.trackers import TrackerSettings, Trackers, open_trackers
 from miles.warm_start import warm_start
-from miles.trainer.learner import Learner, LearnerConfig
+from miles.trainer.learner import LearnerConfig
 from miles.trainer.learner_process import LearnerProcess, LearnerProcessSettings
 from miles.trainer.loop import LoopConfig, TrainerLoop
 from miles.trainer.runner import StepRunner
 from miles.weights.following import FollowConfig
 from miles.weights.signing import PUBLIC_KEY_FILE, ensure_key_pair
-from miles.weights.store import base_model_id
 from producers.rollout import ENGINES, build_engine
 
 
@@ -256,8 +255,7 @@ def step_runner(config: RunConfig, model_dir: Path) -> StepRunner | LearnerProce
                                           torch_threads=config.role_threads(),
                                           learner=config.learner, loop=config.loop())
         return LearnerProcess(settings, settings_path=config.out_dir / "learner.yaml")
-    learner = Learner(model_dir, config.learner, lora=config.lora)
-    return StepRunner(learner, config.loop(), base_model=base_model_id(model_dir))
+    return StepRunner.build(model_dir, config.loop(), learner=config.learner, lora=config.lora)
 
 
 async def run_embedded(config: RunConfig, model_dir: Path, evaluator: Evaluator,

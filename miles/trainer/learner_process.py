@@ -189,14 +189,13 @@ def _record(data: bytes | None) -> WeightVersion | None:
 def serve(settings: LearnerProcessSettings, requests: Connection, replies: Connection) -> None:
     import torch
 
-    from miles.trainer.learner import Learner
     from miles.trainer.runner import StepRunner
-    from miles.weights.store import base_model_id
 
     if settings.torch_threads:
         torch.set_num_threads(settings.torch_threads)
-    learner = Learner(settings.model_dir, settings.learner, lora=settings.lora)
-    runner = StepRunner(learner, settings.loop, base_model=base_model_id(settings.model_dir))
+    runner = StepRunner.build(settings.model_dir, settings.loop, learner=settings.learner,
+                              lora=settings.lora)
+    learner = runner.learner
     replies.send_bytes(msgpack.packb({"vocab_size": learner.vocab_size}))
     while True:
         try:

@@ -24,8 +24,10 @@ from miles.trainer import distributed
 from miles.trainer.checkpoint import has_checkpoints, load_newest, save_checkpoint
 from miles.trainer.fence import Fence
 from miles.trainer.isolation import Isolation
-from miles.trainer.learner import Learner
-from miles.weights.store import discard_versions_after, prune_versions, write_version
+from miles.trainer.learner import Learner, LearnerConfig
+from miles.trainer.model import LoraSettings
+from miles.weights.store import (base_model_id, discard_versions_after, prune_versions,
+                                 write_version)
 
 if TYPE_CHECKING:
     from miles.trainer.loop import LoopConfig
@@ -69,6 +71,14 @@ class StepRunner:
         self.checkpoints = Path(config.out_dir) / "checkpoints"
         self.fence: Fence | None = None  # rank 0's generation, taken by `resume`
         self.isolation = Isolation()
+
+    @classmethod
+    def build(cls, model_dir: str | Path, config: LoopConfig, *, learner: LearnerConfig,
+              lora: LoraSettings | None) -> StepRunner:
+        """A learner of the checkpoint in `model_dir` and its runner (versions name the
+        checkpoint by `base_model_id`)."""
+        return cls(Learner(model_dir, learner, lora=lora), config,
+                   base_model=base_model_id(model_dir))
 
     def resume(self) -> tuple[dict | None, WeightVersion | None]:
         """Take the next trainer generation, load the newest checkpoint that verifies (if any),
