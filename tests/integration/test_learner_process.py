@@ -14,13 +14,12 @@ import torch
 from miles.errors import FencedError
 from miles.protocol import encode
 from miles.trainer.fence import Fence
-from miles.trainer.learner import Learner, LearnerConfig
+from miles.trainer.learner import LearnerConfig
 from miles.trainer.learner_process import (LearnerProcess, LearnerProcessError,
                                            LearnerProcessSettings)
 from miles.trainer.loop import LoopConfig
 from miles.trainer.model import LoraSettings
 from miles.trainer.runner import StepRunner, pack_step
-from miles.weights.store import base_model_id
 from tests.factories import small_batch
 from tests.integration.conformance import process_group  # noqa: F401
 
@@ -56,8 +55,8 @@ def test_the_learner_process_makes_the_updates_of_the_learner_in_this_process(
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # the child's, so both reduce in the same order
     try:
-        here = StepRunner(Learner(model_dir, CONFIG, lora=LORA), LoopConfig(
-            out_dir=tmp_path / "here"), base_model=base_model_id(model_dir))
+        here = StepRunner.build(model_dir, LoopConfig(out_dir=tmp_path / "here"),
+                                learner=CONFIG, lora=LORA)
         versions = [(here.resume()[1], child.resume()[1])]
         results = [(here.step(step_message(s)), child.step(step_message(s))) for s in (1, 2, 3)]
     finally:
