@@ -203,9 +203,10 @@ def outcome_advantages(groups: list[TrajectoryGroup], algorithm: AlgorithmConfig
 def group_rows(group: TrajectoryGroup, rewards: torch.Tensor, advantages: torch.Tensor, *,
                mask_truncated: bool = False) -> list[_Row]:
     """One row per sample of `group`."""
-    return [_Row((group.group_id, i), group.prompt_token_ids, sample, float(rewards[i]),
-                 float(advantages[i]), not (mask_truncated and sample.finish_reason == "length"))
-            for i, sample in enumerate(group.samples)]
+    return [_Row((group.group_id, i), group.prompt_token_ids, sample, reward, advantage,
+                 not (mask_truncated and sample.finish_reason == "length"))
+            for i, (sample, reward, advantage)
+            in enumerate(zip(group.samples, rewards.tolist(), advantages.tolist(), strict=True))]
 
 
 def first_fit(rows: list[_Row], width: int) -> list[list[_Row]]:

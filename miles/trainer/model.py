@@ -38,6 +38,7 @@ from torch.distributed.tensor import DTensor
 from miles.engines.base import LoraSettings  # shared with the engines: one adapter shape
 from miles.errors import ConfigError, MilesError
 from miles.trainer import distributed
+from miles.trainer.attention import ATTENTION
 from miles.trainer.batching import visibility
 
 log = logging.getLogger(__name__)
@@ -85,6 +86,8 @@ def load_policy(model_dir: str | Path, *, lora: LoraSettings | None,
         raise ConfigError(f"trainer.model_dir {str(model_dir)!r} could not be loaded: {exc}"
                           ) from exc
     model.config.use_cache = False
+    if model.config._attn_implementation == "sdpa":  # the learner's own (`miles.trainer.attention`)
+        model.set_attn_implementation(ATTENTION)
     if lora is not None:
         model = get_peft_model(model, lora_config(lora), adapter_name=ADAPTER_NAME)
         fuse_lora_forwards(model)

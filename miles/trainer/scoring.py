@@ -23,11 +23,10 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator
-from contextlib import AbstractContextManager, contextmanager, nullcontext
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
-from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from miles.rl.advantages import gae_advantages, token_rewards
 from miles.rl.algorithm import AlgorithmConfig
@@ -43,12 +42,6 @@ LOGPROB_FLOOR = -100.0
 gradient instead of a nan from -inf - -inf."""
 WHITEN_EPS = 1e-8  # added to the std when whitening GAE advantages
 VARIANCE_FLOOR = 1e-12  # explained variance is 0 when the returns' variance is below this
-MATH_ATTENTION_WIDTH = 128
-"""On a CPU computing in bf16, model lines of at most this many tokens run torch's plain (math)
-attention kernel instead of its fused one. The fused kernel's bf16 forward + backward has a large
-fixed cost: 11-14 ms a layer on 1,280 tokens in lines of 32-128 (4 heads of 32), 1.8-3.5x the
-math kernel's; from 256 tokens, and in fp32 at every width, the fused kernel is faster
-(`benchmarks/bench_attention.py`; docs/benchmarks.md, "Attention kernels")."""
 
 
 @dataclass
@@ -60,17 +53,6 @@ class Prepared:
     old_values: torch.Tensor | None = None  # critic values before the update
     advantages: torch.Tensor | None = None  # per-token GAE advantages (whitened)
     returns: torch.Tensor | None = None  # GAE returns (value targets)
-
-
-def attention_kernel(device: torch.device, dtype: torch.dtype,
-                     width: int) -> AbstractContextManager:
-    """The scaled-dot-product-attention kernel for a forward over lines `width` tokens long:
-    the math kernel for short lines in bf16 on a CPU (`MATH_ATTENTION_WIDTH`), else torch's
-    choice. torch's kernel switches are process-wide: another thread's attention inside (the
-    embedded run's engine) runs the math kernel too, which computes the same attention."""
-    if device.type == "cpu" and dtype == torch.bfloat16 and width <= MATH_ATTENTION_WIDTH:
-        return sdpa_kernel([SDPBackend.MATH])
-    return nullcontext()
 
 
 @contextmanager
@@ -106,18 +88,10 @@ class Scorer:
         return (batch.input_ids.to(self.device), None if mask is None else mask.to(self.device),
                 batch.position_ids.to(self.device))
 
-    def attention(self, batch: MicroBatch) -> AbstractContextManager:
-        """The attention kernel for `batch`'s forwards, the critic's too (`attention_kernel`),
-        so a value scored before the update and the one trained match. A backward that
-        recomputes activations (activation checkpointing) must run inside it too: a recompute
-        under another kernel saves other tensors, which torch's checkpoint refuses."""
-        return attention_kernel(self.device, self.dtype, batch.input_ids.shape[1])
-
     def forward(self, model: torch.nn.Module, batch: MicroBatch):
         input_ids, attention_mask, position_ids = self.inputs(batch)
-        with self.attention(batch):
-            return model(input_ids=input_ids, attention_mask=attention_mask,
-                         position_ids=position_ids, use_cache=False)
+        return model(input_ids=input_ids, attention_mask=attention_mask,
+                     position_ids=position_ids, use_cache=False)
 
     def processed(self, logits: torch.Tensor, batch: MicroBatch) -> torch.Tensor:
         """Logits of the distribution each target was sampled from, [R, T-1, V] (model
@@ -151,11 +125,10 @@ class Scorer:
 
     def values(self, batch: MicroBatch) -> torch.Tensor:
         """Critic values of the states that predict each target, [B, L-1]."""
-        with self.attention(batch):
-            if self.value_model is not None:
-                values = self.value_model(*self.inputs(batch))  # [R, T]
-            else:
-                values = critic.values(self.model, *self.inputs(batch))  # [R, T]
+        if self.value_model is not None:
+            values = self.value_model(*self.inputs(batch))  # [R, T]
+        else:
+            values = critic.values(self.model, *self.inputs(batch))  # [R, T]
         return batch.unpack(values[:, :-1].float())
 
 

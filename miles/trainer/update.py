@@ -26,14 +26,13 @@ def accumulate(scorer: Scorer, batch: MicroBatch, extra: Prepared, normalisers: 
     loss's (`KLPenalty.loss_settings`: no KL term when the KL is in the reward)."""
     mask = batch.response_mask.to(scorer.device)  # [B, L-1]
     metrics: dict[str, torch.Tensor] = {}
-    with scorer.attention(batch):  # the backwards too: checkpointed blocks recompute in them
-        if train_actor:
-            loss, metrics = policy_loss(scorer, batch, extra, normalisers, mask, settings)
-            loss.backward()
-        if algorithm.uses_critic:
-            loss, value_metrics = value_loss(scorer, batch, extra, normalisers, mask, algorithm)
-            (algorithm.value_coef * loss).backward()
-            metrics.update(value_metrics)
+    if train_actor:
+        loss, metrics = policy_loss(scorer, batch, extra, normalisers, mask, settings)
+        loss.backward()
+    if algorithm.uses_critic:
+        loss, value_metrics = value_loss(scorer, batch, extra, normalisers, mask, algorithm)
+        (algorithm.value_coef * loss).backward()
+        metrics.update(value_metrics)
     return {key: value.cpu() for key, value in metrics.items()}
 
 

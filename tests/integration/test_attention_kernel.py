@@ -1,8 +1,8 @@
-"""The learner's attention kernel: short lines in bf16 on a CPU run torch's math kernel.
+"""The learner's attention: short lines in bf16 on a CPU run `short_line_attention`.
 
-torch's fused CPU attention is slow in bf16 on short lines (`scoring.MATH_ATTENTION_WIDTH`). The
-rule must pick the math kernel there and only there, and the logprobs it gives must be as close
-to fp32's as the fused kernel's are. One rank, the tiny Llama of `model_dir` (sdpa attention).
+torch's fused CPU attention is slow in bf16 on short lines (`attention.SHORT_LINE_WIDTH`). The
+rule must pick the short-line attention there and only there, and the logprobs it gives must be
+as close to fp32's as the fused kernel's are. One rank, the tiny Llama of `model_dir`.
 """
 
 from dataclasses import replace
@@ -11,14 +11,15 @@ import pytest
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from miles.trainer import scoring
+from miles.trainer import attention
 from miles.trainer.learner import Learner, LearnerConfig
 from miles.trainer.model import LoraSettings
 from tests.integration.conformance import process_group  # noqa: F401
 from tests.integration.test_shared_prompts import groups, scored
 
 FUSED = "aten::_scaled_dot_product_flash_attention_for_cpu"
-MATH = "aten::_softmax"  # the math kernel's softmax (the fused kernel has its own)
+SHORT = "aten::_softmax"  # the short-line attention's softmax (the fused kernel has its own)
+MATH = "aten::_safe_softmax"  # torch's math kernel's (which the short-line attention replaces)
 CONFIG = LearnerConfig(lr=1e-3, max_tokens_per_micro_batch=256, seed=0)
 LORA = LoraSettings(r=4, alpha=8)
 
@@ -27,36 +28,28 @@ def attention_ops(learner: Learner) -> set[str]:
     """The attention ops a training step runs (forward and backward)."""
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         learner.train_step(groups())
-    return {e.key for e in prof.key_averages()} & {FUSED, MATH}
+    return {e.key for e in prof.key_averages()} & {FUSED, SHORT, MATH}
 
 
 @pytest.mark.parametrize("precision, width, kernel", [
-    ("bf16", scoring.MATH_ATTENTION_WIDTH, MATH),  # the rule: short lines, bf16
+    ("bf16", attention.SHORT_LINE_WIDTH, SHORT),  # the rule: short lines, bf16
     ("bf16", 0, FUSED),  # the same step with the rule off
-    ("fp32", scoring.MATH_ATTENTION_WIDTH, FUSED),  # fp32 keeps the fused kernel
+    ("fp32", attention.SHORT_LINE_WIDTH, FUSED),  # fp32 keeps the fused kernel
 ])
-def test_short_bf16_lines_run_the_math_kernel(model_dir, monkeypatch, precision, width, kernel):
-    monkeypatch.setattr(scoring, "MATH_ATTENTION_WIDTH", width)
+def test_short_bf16_lines_run_the_short_line_attention(model_dir, monkeypatch, precision, width,
+                                                       kernel):
+    monkeypatch.setattr(attention, "SHORT_LINE_WIDTH", width)
     learner = Learner(model_dir, replace(CONFIG, precision=precision), lora=LORA)
     assert max(b.input_ids.shape[1] for b in learner.micro_batches(groups())) <= 64
     assert attention_ops(learner) == {kernel}
 
 
-def test_the_math_kernel_is_as_close_to_fp32_as_the_fused_one(model_dir, monkeypatch):
+def test_the_short_line_attention_is_as_close_to_fp32_as_the_fused_kernel(model_dir, monkeypatch):
     exact = scored(Learner(model_dir, replace(CONFIG, precision="fp32"), lora=LORA), groups())
     errors = {}
-    for width in (0, scoring.MATH_ATTENTION_WIDTH):
-        monkeypatch.setattr(scoring, "MATH_ATTENTION_WIDTH", width)
+    for width in (0, attention.SHORT_LINE_WIDTH):
+        monkeypatch.setattr(attention, "SHORT_LINE_WIDTH", width)
         bf16 = scored(Learner(model_dir, replace(CONFIG, precision="bf16"), lora=LORA), groups())
         errors[width] = max((bf16[k] - exact[k]).abs().max().item() for k in exact)
-    assert errors[scoring.MATH_ATTENTION_WIDTH] < 0.02
-    assert errors[scoring.MATH_ATTENTION_WIDTH] <= 1.5 * errors[0] + 1e-3
-
-
-def test_the_kernel_switch_is_undone_after_the_forward():
-    assert torch.backends.cuda.flash_sdp_enabled()
-    with scoring.attention_kernel(torch.device("cpu"), torch.bfloat16, 16):
-        assert not torch.backends.cuda.flash_sdp_enabled()
-    assert torch.backends.cuda.flash_sdp_enabled()
-    with scoring.attention_kernel(torch.device("cpu"), torch.bfloat16, 1024):
-        assert torch.backends.cuda.flash_sdp_enabled()
+    assert errors[attention.SHORT_LINE_WIDTH] < 0.02
+    assert errors[attention.SHORT_LINE_WIDTH] <= 1.5 * errors[0] + 1e-3
