@@ -28,9 +28,14 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 ATTENTION = "miles_sdpa"
 """The attention implementation name of the learner's models."""
 SHORT_LINE_WIDTH = 128
-"""Lines of at most this many tokens take `short_line_attention` (bf16 on a CPU). Measured on the
-demo's step (docs/benchmarks.md, "Attention kernels"): the fused kernel is slower than the math
-kernel up to 128 tokens, and `short_line_attention` faster than the math kernel."""
+"""Lines of at most this many tokens take `short_line_attention` (bf16 on a CPU). Measured by
+`benchmarks/bench_attention.py` (docs/benchmarks.md, "Attention kernels"): up to 128 tokens it is
+faster than both of torch's kernels (3-5x the fused one's speed), at 256 as fast as the fused one,
+beyond that slower."""
+
+UNSUPPORTED = ("position_bias", "softcap", "s_aux")
+"""Attention arguments of some architectures that `short_line_attention` does not apply: a forward
+given any of them goes to transformers' `sdpa` function (which applies or refuses it)."""
 
 
 def takes_short_path(query: torch.Tensor, key: torch.Tensor, dropout: float) -> bool:
@@ -46,8 +51,8 @@ def attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
     """A transformers attention function: `short_line_attention` where it applies
     (`takes_short_path`), transformers' `sdpa` otherwise. Returns ([B, T, H, D], None)."""
     per_head_mask = attention_mask is not None and attention_mask.shape[1] != 1
-    if (not takes_short_path(query, key, dropout) or per_head_mask
-            or kwargs.get("position_bias") is not None):
+    extras = any(kwargs.get(name) is not None for name in UNSUPPORTED)
+    if not takes_short_path(query, key, dropout) or per_head_mask or extras:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                       scaling=scaling, is_causal=is_causal, **kwargs)
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)

@@ -72,19 +72,21 @@ def test_a_fully_masked_row_stays_finite_and_leaves_the_others_alone():
     torch.testing.assert_close(out.float()[:, kept], want[:, kept], rtol=1e-2, atol=1e-2)
 
 
-@pytest.mark.parametrize("dtype, length, dropout, short", [
-    (torch.bfloat16, T, 0.0, True),
-    (torch.float32, T, 0.0, False),  # fp32: torch's fused kernel is the faster one
-    (torch.bfloat16, attn.SHORT_LINE_WIDTH + 1, 0.0, False),  # long lines: fused
-    (torch.bfloat16, T, 0.1, False),  # dropout: sdpa's
+@pytest.mark.parametrize("dtype, length, dropout, extra, short", [
+    (torch.bfloat16, T, 0.0, {}, True),
+    (torch.float32, T, 0.0, {}, False),  # fp32: torch's fused kernel is the faster one
+    (torch.bfloat16, attn.SHORT_LINE_WIDTH + 1, 0.0, {}, False),  # long lines: fused
+    (torch.bfloat16, T, 0.1, {}, False),  # dropout: sdpa's
+    (torch.bfloat16, T, 0.0, {"softcap": 30.0}, False),  # not applied here: sdpa's (refuses)
+    (torch.bfloat16, T, 0.0, {"softcap": None}, True),  # given as None: nothing to apply
 ])
 def test_the_short_path_is_taken_only_for_short_bf16_lines(monkeypatch, dtype, length, dropout,
-                                                           short):
+                                                           extra, short):
     taken = []
     monkeypatch.setattr(attn, "short_line_attention",
                         lambda *a: taken.append(True) or torch.zeros(1))
     monkeypatch.setattr(attn, "sdpa_attention_forward", lambda *a, **kw: (torch.zeros(1), None))
     q = torch.zeros(1, HEADS, length, D, dtype=dtype)
     k = torch.zeros(1, KV_HEADS, length, D, dtype=dtype)
-    attn.attention(Module(), q, k, k, None, dropout=dropout)
+    attn.attention(Module(), q, k, k, None, dropout=dropout, **extra)
     assert bool(taken) == short
