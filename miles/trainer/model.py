@@ -1,9 +1,10 @@
 """The policy model: load a Hugging Face causal LM (+ a LoRA adapter via peft), shard it with
 FSDP2, and export the adapter in peft's own format for the engines to hot-load.
 
-This is the trainer's only importer of `transformers` and `peft`. `LoraSettings` and the peft
-config built from it are the engines' (`miles.engines`), so trainer and engines agree on the
-adapter's shape.
+This is the trainer's only importer of `transformers` and `peft`, besides
+`miles.trainer.attention` (the learner's attention function, which `load_policy` gives every model
+it loads) and the learner process's tokenizer. `LoraSettings` and the peft config built from it
+are the engines' (`miles.engines`), so trainer and engines agree on the adapter's shape.
 
 Simplifications:
 - By default the model is materialised in full on every rank and then sharded (`fully_shard`
@@ -38,7 +39,6 @@ from torch.distributed.tensor import DTensor
 from miles.engines.base import LoraSettings  # shared with the engines: one adapter shape
 from miles.errors import ConfigError, MilesError
 from miles.trainer import distributed
-from miles.trainer.attention import ATTENTION
 from miles.trainer.batching import visibility
 
 log = logging.getLogger(__name__)
@@ -73,6 +73,7 @@ def load_policy(model_dir: str | Path, *, lora: LoraSettings | None,
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     from miles.engines.hf import lora_config  # the engines build their adapter the same way
+    from miles.trainer.attention import ATTENTION  # importing it registers it with transformers
 
     try:
         if meta:
