@@ -87,8 +87,8 @@ def load_policy(model_dir: str | Path, *, lora: LoraSettings | None,
         raise ConfigError(f"trainer.model_dir {str(model_dir)!r} could not be loaded: {exc}"
                           ) from exc
     model.config.use_cache = False
-    if model.config._attn_implementation == "sdpa":  # the learner's own (`miles.trainer.attention`)
-        model.set_attn_implementation(ATTENTION)
+    if model.config._attn_implementation == "sdpa" and model.is_backend_compatible():
+        model.set_attn_implementation(ATTENTION)  # the learner's own (`miles.trainer.attention`)
     if lora is not None:
         model = get_peft_model(model, lora_config(lora), adapter_name=ADAPTER_NAME)
         fuse_lora_forwards(model)
