@@ -43,7 +43,7 @@ def step(model_dir, lora=LORA, **options) -> tuple[dict, dict[str, torch.Tensor]
 @pytest.mark.parametrize("lora, precision", [(LORA, "fp32"), (None, "fp32"), (LORA, "bf16")],
                          ids=["lora", "full", "lora-bf16"])
 def test_activation_checkpointing_gives_the_same_step(model_dir, lora, precision):
-    # bf16 on a CPU: short lines run the math attention kernel, and so must the recompute
+    # bf16 on a CPU: short lines run the short-line attention, and so must the recompute
     plain, before = step(model_dir, lora, precision=precision)
     checkpointed, after = step(model_dir, lora, precision=precision,
                                activation_checkpointing=True)
