@@ -32,30 +32,34 @@ SHAPES = [  # (T, R, H, d): the demo's lines (4 heads of 32) and a wider model's
 KERNELS = {"fused": SDPBackend.FLASH_ATTENTION, "math": SDPBackend.MATH}
 
 
-def timed_ms(kernel: SDPBackend, dtype: torch.dtype, T: int, R: int, H: int, d: int) -> float:
-    q, k, v = (torch.randn(R, H, T, d, dtype=dtype, requires_grad=True) for _ in range(3))
-    mask = torch.ones(T, T, dtype=torch.bool).tril().expand(R, 1, T, T)
-    times = []
-    with sdpa_kernel([kernel]):
-        for i in range(7):
-            start = time.perf_counter()
-            F.scaled_dot_product_attention(q, k, v, attn_mask=mask).sum().backward()
-            if i >= 2:
-                times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e3
-
-
-def short_line_ms(dtype: torch.dtype, T: int, R: int, H: int, d: int) -> float:
-    q, k, v = (torch.randn(R, H, T, d, dtype=dtype, requires_grad=True) for _ in range(3))
-    mask = torch.ones(T, T, dtype=torch.bool).tril().expand(R, 1, T, T)
+def median_ms(step) -> float:
+    """Median of 5 timed calls of `step` after 2 warm-ups, in ms."""
     times = []
     for i in range(7):
         start = time.perf_counter()
-        bias = additive_bias(mask, T, causal=True)
-        short_line_attention(q, k, v, bias, d ** -0.5).sum().backward()
+        step()
         if i >= 2:
             times.append(time.perf_counter() - start)
     return statistics.median(times) * 1e3
+
+
+def inputs(dtype: torch.dtype, T: int, R: int, H: int, d: int) -> tuple:
+    """(q, k, v, causal boolean mask [R, 1, T, T]) of one micro-batch of lines."""
+    q, k, v = (torch.randn(R, H, T, d, dtype=dtype, requires_grad=True) for _ in range(3))
+    return q, k, v, torch.ones(T, T, dtype=torch.bool).tril().expand(R, 1, T, T)
+
+
+def timed_ms(kernel: SDPBackend, dtype: torch.dtype, T: int, R: int, H: int, d: int) -> float:
+    q, k, v, mask = inputs(dtype, T, R, H, d)
+    with sdpa_kernel([kernel]):
+        return median_ms(lambda: F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask).sum().backward())
+
+
+def short_line_ms(dtype: torch.dtype, T: int, R: int, H: int, d: int) -> float:
+    q, k, v, mask = inputs(dtype, T, R, H, d)
+    return median_ms(lambda: short_line_attention(
+        q, k, v, additive_bias(mask, T, causal=True), d ** -0.5).sum().backward())
 
 
 def main() -> None:

@@ -38,10 +38,15 @@ UNSUPPORTED = ("position_bias", "softcap", "s_aux")
 given any of them goes to transformers' `sdpa` function (which applies or refuses it)."""
 
 
-def takes_short_path(query: torch.Tensor, key: torch.Tensor, dropout: float) -> bool:
-    """Whether `attention` computes this forward with `short_line_attention`."""
+def takes_short_path(query: torch.Tensor, key: torch.Tensor, mask: torch.Tensor | None,
+                     dropout: float, extras: dict) -> bool:
+    """Whether `attention` computes this forward with `short_line_attention`: bf16 queries on a
+    CPU, lines of at most `SHORT_LINE_WIDTH` tokens and no cache, no dropout, a mask shared by
+    all heads (or none) and none of the `UNSUPPORTED` arguments."""
     return (query.device.type == "cpu" and query.dtype == torch.bfloat16 and dropout == 0.0
-            and query.shape[2] == key.shape[2] <= SHORT_LINE_WIDTH)
+            and query.shape[2] == key.shape[2] <= SHORT_LINE_WIDTH
+            and (mask is None or mask.shape[1] == 1)
+            and all(extras.get(name) is None for name in UNSUPPORTED))
 
 
 def attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
@@ -50,9 +55,7 @@ def attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
               **kwargs) -> tuple[torch.Tensor, None]:
     """A transformers attention function: `short_line_attention` where it applies
     (`takes_short_path`), transformers' `sdpa` otherwise. Returns ([B, T, H, D], None)."""
-    per_head_mask = attention_mask is not None and attention_mask.shape[1] != 1
-    extras = any(kwargs.get(name) is not None for name in UNSUPPORTED)
-    if not takes_short_path(query, key, dropout) or per_head_mask or extras:
+    if not takes_short_path(query, key, attention_mask, dropout, kwargs):
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                       scaling=scaling, is_causal=is_causal, **kwargs)
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
